@@ -1,0 +1,103 @@
+"""``run`` and ``train``: Hydra-driven entry points (config groups: method, pair, dataset)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from bench.errors import BenchError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+GROUPS = ("method", "pair", "dataset")
+log = logging.getLogger("bench")
+
+
+def choices(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def check_choices(overrides: list[str]) -> None:
+    """Unknown group options get one sentence listing the valid names, before Hydra or any model starts."""
+    for ov in overrides:
+        key, sep, value = ov.partition("=")
+        key = key.lstrip("+~")
+        if not sep or key not in GROUPS or "(" in value:
+            continue
+        for name in value.split(","):
+            if name not in choices(key):
+                raise BenchError(f"unknown {key} '{name}'; choose one of: {', '.join(choices(key))}.")
+
+
+def print_summary(rows: list[dict], run_dir: Path) -> None:
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    cols = ["method", "prompts", "new_tokens", "tokens_per_s", "speedup", "mean_accepted", "alpha",
+            "analytic_speedup", "target_calls_per_token", "gflops_per_token", "ttft_s", "matches_baseline"]
+    df = df[[c for c in cols if c in df.columns]]
+    print()
+    print(df.to_markdown(index=False, floatfmt=".3g"))
+    print(f"\nresults: {run_dir}")
+
+
+@hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
+def _hydra_run(cfg: DictConfig) -> None:
+    from bench.runner import run
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        rows = run(cfg, run_dir)
+    except BenchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)  # SystemExit passes through Hydra's handler: one sentence, no traceback
+    print_summary(rows, run_dir)
+
+
+def run_main(args: list[str]) -> int:
+    check_choices(args)
+    sys.argv = ["python -m bench run", *args]
+    _hydra_run()
+    return 0
+
+
+def compose(args: list[str]) -> DictConfig:
+    """The config ``run`` would see for these overrides, without starting a run (for ``train``, tests)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    check_choices(args)
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=args)
+
+
+def train_main(args: list[str]) -> int:
+    """``train draft|heads|verifier [overrides]``: build and cache a trained part now (``run`` would too)."""
+    what = ["draft", "heads", "verifier"]
+    if not args or args[0] not in what:
+        raise BenchError(f"say what to train: one of {', '.join(what)} (e.g. 'python -m bench train draft pair=smollm2').")
+    cfg = compose(args[1:])
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from bench.models import load_pair
+    from bench.validate import validate
+
+    validate(cfg)
+    pair = load_pair(cfg, train_if_missing=True)
+    if args[0] == "draft":
+        from bench.distill import draft_report
+
+        for spec in cfg.pair.get("drafts") or []:
+            if spec.source == "distilled":
+                print(json.dumps(draft_report(pair.target.module, spec.recipe, pair.cache), indent=2))
+        return 0
+    from bench.registry import get_method
+
+    method = get_method(cfg.method.name)(cfg.method, pair)
+    method.setup(train_if_missing=True)
+    print(json.dumps(getattr(method, "report", {}), indent=2, default=str))
+    return 0

@@ -1,0 +1,62 @@
+"""Real text that packages ship, used to train drafts, heads and verifiers offline.
+
+- gensim's test data: the Lee news corpus (300 background articles + 50 test articles) and a shortened
+  English Wikipedia dump (about 5.7 M characters of wiki markup).
+"""
+
+from __future__ import annotations
+
+import bz2
+import importlib.util
+from functools import lru_cache
+from pathlib import Path
+
+from bench.errors import BenchError
+
+
+def gensim_test_data() -> Path:
+    spec = importlib.util.find_spec("gensim")
+    if spec is None or not spec.submodule_search_locations:
+        raise BenchError("package 'gensim' is not installed; it ships the training text (run scripts/setup.sh).")
+    return Path(list(spec.submodule_search_locations)[0]) / "test" / "test_data"
+
+
+@lru_cache(maxsize=None)
+def lee_articles(split: str = "train") -> tuple[str, ...]:
+    """Lee news articles: ``train`` = the 300 background articles, ``test`` = the 50 held-out ones."""
+    name = {"train": "lee_background.cor", "test": "lee.cor"}[split]
+    lines = (gensim_test_data() / name).read_text(encoding="utf-8", errors="replace").splitlines()
+    return tuple(line.strip() for line in lines if line.strip())
+
+
+@lru_cache(maxsize=None)
+def wiki_articles(limit: int = 200, min_chars: int = 2000) -> tuple[str, ...]:
+    """Plain text of the first ``limit`` long articles of gensim's shortened English Wikipedia dump."""
+    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
+
+    path = gensim_test_data() / "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+    out = []
+    with bz2.open(path, "rb") as fh:
+        for _title, text, _pageid in extract_pages(fh):
+            plain = " ".join(filter_wiki(text).split())
+            if len(plain) >= min_chars:
+                out.append(plain)
+            if len(out) >= limit:
+                break
+    return tuple(out)
+
+
+def corpus(name: str, split: str = "train") -> tuple[str, ...]:
+    """Documents of a named corpus: ``lee``, ``wiki`` or ``lee+wiki``."""
+    parts = name.split("+")
+    docs: list[str] = []
+    for part in parts:
+        if part == "lee":
+            docs.extend(lee_articles(split))
+        elif part == "wiki":
+            wiki = wiki_articles()
+            cut = int(len(wiki) * 0.9)  # the last tenth is held out
+            docs.extend(wiki[:cut] if split == "train" else wiki[cut:])
+        else:
+            raise BenchError(f"unknown training corpus '{part}'; use lee, wiki or lee+wiki.")
+    return tuple(docs)

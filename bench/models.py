@@ -1,0 +1,239 @@
+"""Loading the models of a pair (target and drafts) from the hub, a local folder, a packaged GGUF file,
+a random config (tests) or a draft distilled by the harness.
+
+Every model is returned inside a :class:`bench.counting.CountedLM` tagged with its role.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from bench.counting import Counted, CountedLM
+from bench.errors import BenchError
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when present, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise BenchError(f"device '{name}' was asked for but CUDA is not available on this machine.")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on CUDA, fp32 on CPU (bf16 multi-token forwards are slow on CPUs and blur verification)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return getattr(torch, name)
+    except AttributeError:
+        raise BenchError(f"unknown dtype '{name}'; use auto, float32, bfloat16 or float16.") from None
+
+
+def cache_root(cfg_dir: str | None) -> Path:
+    """Where converted models, drafts, heads and verifiers are cached (``cache_dir=`` or $BENCH_CACHE)."""
+    root = cfg_dir or os.environ.get("BENCH_CACHE") or Path.home() / ".cache" / "specbench"
+    return Path(root).expanduser()
+
+
+def recipe_key(*parts) -> str:
+    """A short stable hash of JSON-able parts: cache entries are keyed by what produced them."""
+    blob = json.dumps([OmegaConf.to_container(p, resolve=True) if isinstance(p, DictConfig) else p for p in parts],
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def atomic_dir(final: Path):
+    """Context manager giving a temp folder that replaces ``final`` only if the block succeeds."""
+    import contextlib
+    import tempfile
+
+    @contextlib.contextmanager
+    def _cm():
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent))
+        try:
+            yield tmp
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    return _cm()
+
+
+# ----------------------------------------------------------------------------------------------- sources
+
+
+def packaged_gguf_folder(spec: DictConfig, cache: Path) -> Path:
+    """Convert a GGUF file shipped inside a Python package into a cached Hugging Face folder, once."""
+    found = importlib.util.find_spec(spec.package)
+    if found is None or not found.submodule_search_locations:
+        raise BenchError(f"package '{spec.package}' is not installed; run scripts/setup.sh (it installs it with --no-deps).")
+    src = Path(list(found.submodule_search_locations)[0])
+    if not (src / spec.file).is_file():
+        raise BenchError(f"file '{spec.file}' is missing from package '{spec.package}' at {src}.")
+    folder = cache / "models" / f"{spec.package}-{Path(spec.file).stem}"
+    if (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to a Hugging Face folder at %s (once)", spec.file, folder)
+    with atomic_dir(folder) as tmp:
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=spec.file)
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=spec.file, dtype=torch.float32)
+        # save_pretrained refuses a GGUF-loaded model while it still carries its quantization config;
+        # the weights are already dequantized to fp32, so the config is stale and can go.
+        model.config.quantization_config = None
+        if hasattr(model, "hf_quantizer"):
+            model.hf_quantizer = None
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    return folder
+
+
+def byte_tokenizer():
+    """A 259-token byte-level tokenizer built in code (256 bytes + 3 specials), for the random test pairs."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    return fast
+
+
+def random_model(spec: DictConfig, vocab_size: int):
+    """A tiny Llama-style model with seeded random weights, built from ``spec.config``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(int(spec.seed))
+    config = LlamaConfig(vocab_size=vocab_size, **OmegaConf.to_container(spec.config, resolve=True))
+    return LlamaForCausalLM(config)
+
+
+def hub_model(source: str, dtype: torch.dtype):
+    """A causal LM by hub id or local path (the loading code users run with a hub)."""
+    from transformers import AutoModelForCausalLM
+
+    if source.startswith((".", "/", "~")) and not Path(source).expanduser().exists():
+        raise BenchError(f"model path '{source}' does not exist.")
+    try:
+        return AutoModelForCausalLM.from_pretrained(Path(source).expanduser() if Path(source).expanduser().exists() else source, dtype=dtype)
+    except OSError as err:
+        raise BenchError(f"could not load model '{source}' (offline, or not a model folder): {str(err).splitlines()[0]}") from None
+
+
+def hub_tokenizer(source: str):
+    from transformers import AutoTokenizer
+
+    path = Path(source).expanduser()
+    try:
+        return AutoTokenizer.from_pretrained(path if path.exists() else source)
+    except OSError as err:
+        raise BenchError(f"could not load the tokenizer of '{source}': {str(err).splitlines()[0]}") from None
+
+
+# ----------------------------------------------------------------------------------------------- the pair
+
+
+@dataclass
+class Pair:
+    """The models of one run: the target, its drafts (ordered, largest first) and the tokenizer.
+
+    Methods add roles of their own (heads, verifier) with :meth:`add`; the harness resets and reads every
+    role's counts around each prompt.
+    """
+
+    name: str
+    tokenizer: object
+    target: CountedLM
+    drafts: list[CountedLM]
+    device: torch.device
+    dtype: torch.dtype
+    cache: Path
+    spec: DictConfig
+    roles: dict[str, Counted] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.roles["target"] = self.target
+        for i, draft in enumerate(self.drafts):
+            self.roles[draft.role] = draft
+
+    @property
+    def draft(self) -> CountedLM:
+        if not self.drafts:
+            raise BenchError(f"pair '{self.name}' has no draft model, which this method needs.")
+        return self.drafts[0]
+
+    def add(self, counted: Counted) -> Counted:
+        self.roles[counted.role] = counted
+        return counted
+
+    def reset_counts(self) -> None:
+        for c in self.roles.values():
+            c.reset()
+
+    def counts(self) -> dict[str, dict]:
+        return {role: c.stats() for role, c in self.roles.items()}
+
+
+def _load_target(spec: DictConfig, dtype, cache: Path):
+    src = spec.source
+    if src == "hub":
+        return hub_model(spec.id, dtype), hub_tokenizer(spec.id)
+    if src == "gguf_package":
+        folder = packaged_gguf_folder(spec, cache)
+        return hub_model(str(folder), dtype), hub_tokenizer(str(folder))
+    if src == "random":
+        tok = byte_tokenizer()
+        return random_model(spec, len(tok)), tok
+    raise BenchError(f"unknown target source '{src}'; use hub, gguf_package or random.")
+
+
+def _load_draft(spec: DictConfig, target, tokenizer, dtype, cache: Path, train_if_missing: bool):
+    src = spec.source
+    if src == "hub":
+        return hub_model(spec.id, dtype)
+    if src == "random":
+        return random_model(spec, target.config.vocab_size)
+    if src == "distilled":
+        from bench.distill import load_or_train_draft
+
+        return load_or_train_draft(target, tokenizer, spec.recipe, cache, train_if_missing)
+    raise BenchError(f"unknown draft source '{src}'; use hub, random or distilled.")
+
+
+def load_pair(cfg: DictConfig, train_if_missing: bool = True) -> Pair:
+    """Load ``cfg.pair`` (target + drafts) on ``cfg.device`` in ``cfg.dtype``, all in eval mode."""
+    pair_cfg = cfg.pair
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    cache = cache_root(cfg.get("cache_dir"))
+    # Models load in fp32 on the CPU first: training a missing draft needs fp32 and a frozen target.
+    target, tokenizer = _load_target(pair_cfg.target, torch.float32, cache)
+    target.eval()
+    drafts = []
+    for i, dspec in enumerate(pair_cfg.get("drafts") or []):
+        d = _load_draft(dspec, target, tokenizer, torch.float32, cache, train_if_missing)
+        drafts.append(CountedLM(d.to(device=device, dtype=dtype).eval(), "draft" if i == 0 else f"draft{i + 1}"))
+    target = CountedLM(target.to(device=device, dtype=dtype), "target")
+    return Pair(pair_cfg.name, tokenizer, target, drafts, device, dtype, cache, pair_cfg)

@@ -1,0 +1,222 @@
+"""The one timing loop. Every method is warmed up, synchronised and clocked here, the same way.
+
+For each prompt the baseline (``ar``) and the method decode the same token ids back to back, in an order
+that alternates from prompt to prompt so slow drift of the machine does not favour either; speedups are
+ratios of those paired measurements, taken in the same run.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from bench import metrics
+from bench.data import encode, load_prompts
+from bench.models import Pair, load_pair
+from bench.registry import get_method
+from bench.results import RecordWriter, provenance, write_json_atomic
+from bench.sampling import Sampling
+from bench.validate import validate
+
+log = logging.getLogger(__name__)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued device work, so the clock reads when the work is really done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory(device: torch.device) -> int:
+    """Peak bytes: CUDA allocator peak since the last reset; on CPU the process's peak RSS (a high-water mark)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def timed_decode(method, pair: Pair, prompt_ids: torch.Tensor, max_new: int, sampling: Sampling, seed: int) -> dict:
+    """Decode once under the clock; returns the method's output, the timings and the per-role counts."""
+    device = pair.device
+    pair.reset_counts()
+    generator = torch.Generator(device=device).manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    first: list[float] = []
+
+    def on_tokens(n: int) -> None:
+        if not first and n > 0:
+            sync(device)
+            first.append(time.perf_counter())
+
+    sync(device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        decoded = method.decode(prompt_ids, max_new, sampling, generator, on_tokens)
+    sync(device)
+    end = time.perf_counter()
+    return {
+        "decoded": decoded,
+        "wall_s": end - start,
+        "ttft_s": (first[0] if first else end) - start,
+        "counts": pair.counts(),
+        "peak_mem_bytes": peak_memory(device),
+    }
+
+
+def cost_ratio(pair: Pair, prompt_ids: torch.Tensor, repeats: int = 10) -> float:
+    """c of Leviathan et al.: median time of one single-token draft forward over one of the target, with a
+    KV cache of the prompt, measured here under the same clock (NaN without a draft)."""
+    if not pair.drafts:
+        return float("nan")
+    from transformers import DynamicCache
+
+    times = {}
+    for role, lm in (("target", pair.target), ("draft", pair.drafts[0])):
+        cache = DynamicCache()
+        with torch.inference_mode():
+            lm(prompt_ids, cache, logits_to_keep=1)
+            step = prompt_ids[:, -1:]
+            samples = []
+            for _ in range(repeats + 1):
+                sync(pair.device)
+                t = time.perf_counter()
+                lm(step, cache)
+                sync(pair.device)
+                samples.append(time.perf_counter() - t)
+                cache.crop(-1)
+        times[role] = metrics.median(samples[1:])  # the first call is a warm-up
+    pair.reset_counts()
+    return times["draft"] / times["target"]
+
+
+def build_methods(cfg: DictConfig, pair: Pair) -> dict:
+    """The baseline (if any) and the method under test, set up (trained if missing) before any clock runs."""
+    names = [cfg.method.name]
+    if cfg.get("baseline") and cfg.baseline != cfg.method.name:
+        names.insert(0, cfg.baseline)
+    built = {}
+    for name in names:
+        mcfg = cfg.method if name == cfg.method.name else OmegaConf.create({"name": name})
+        built[name] = get_method(name)(mcfg, pair)
+        built[name].setup(train_if_missing=cfg.train_if_missing)
+    return built
+
+
+def make_record(cfg, pair, method, prompt, prompt_ids, run: dict) -> dict:
+    decoded = run["decoded"]
+    new = len(decoded.output_ids)
+    rec = {
+        "method": method.name,
+        "lossless": method.lossless,
+        "pair": pair.name,
+        "dataset": cfg.dataset.name,
+        "prompt_id": prompt.prompt_id,
+        "category": prompt.category,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "max_new_tokens": cfg.max_new_tokens,
+        "seed": cfg.seed,
+        "method_cfg": OmegaConf.to_container(method.cfg, resolve=True),
+        "prompt_ids": prompt_ids,
+        "output_ids": decoded.output_ids,
+        "output_text": pair.tokenizer.decode(decoded.output_ids, skip_special_tokens=True),
+        "reference": prompt.reference,
+        "new_tokens": new,
+        "accept_lengths": decoded.accept_lengths,
+        "drafted": decoded.drafted,
+        "peak_mem_bytes": run["peak_mem_bytes"],
+        "extra": decoded.extra,
+    }
+    rec.update(metrics.record_metrics(new, run["wall_s"], run["ttft_s"], decoded.accept_lengths, run["counts"]))
+    return rec
+
+
+def summarize(records: list[dict], baseline: str | None, c: float) -> list[dict]:
+    """One row per method: medians over prompts, paired speedups, α and the analytic speedup."""
+    rows = []
+    for name in dict.fromkeys(r["method"] for r in records):
+        rs = [r for r in records if r["method"] == name]
+        acc = [a for r in rs for a in r["accept_lengths"]]
+        dr = [d for r in rs for d in r["drafted"]]
+        alpha = metrics.alpha_estimate(acc, dr)
+        gamma = metrics.ratio(sum(dr), len(dr))
+        rows.append({
+            "method": name,
+            "prompts": len(rs),
+            "new_tokens": sum(r["new_tokens"] for r in rs),
+            "wall_s": metrics.median(r["wall_s"] for r in rs),
+            "ttft_s": metrics.median(r["ttft_s"] for r in rs),
+            "tokens_per_s": metrics.median(r["tokens_per_s"] for r in rs),
+            "speedup": metrics.median(r.get("speedup") for r in rs) if name != baseline else 1.0,
+            "mean_accepted": metrics.ratio(sum(acc), len(acc)),
+            "alpha": alpha if any(dr) else float("nan"),
+            "analytic_speedup": metrics.analytic_speedup(alpha, gamma, c) if any(dr) else float("nan"),
+            "target_calls_per_token": metrics.ratio(sum(r["target_calls"] for r in rs), sum(r["new_tokens"] for r in rs)),
+            "gflops_per_token": metrics.ratio(sum(r["flops"]["total"] for r in rs), sum(r["new_tokens"] for r in rs)) / 1e9,
+            "matches_baseline": (all(r.get("matches_baseline") for r in rs) if name != baseline and rs[0].get("matches_baseline") is not None else None),
+        })
+    return rows
+
+
+def paired_speedup(base: dict, rec: dict) -> float:
+    """Per-prompt speedup: baseline seconds per token over the method's, same prompt ids, same run
+    (for lossless greedy methods the token counts are equal and this is the ratio of wall times)."""
+    return metrics.ratio(metrics.ratio(base["wall_s"], base["new_tokens"]), metrics.ratio(rec["wall_s"], rec["new_tokens"]))
+
+
+def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
+    """Decode every prompt of ``cfg.dataset`` with the baseline and ``cfg.method``; write the results."""
+    validate(cfg)  # before any model loads
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+    torch.manual_seed(cfg.seed)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    pair = load_pair(cfg, train_if_missing=cfg.train_if_missing)
+    prompts = load_prompts(cfg.dataset, cfg.seed)
+    methods_ = build_methods(cfg, pair)
+    sampling = Sampling(float(cfg.temperature), float(cfg.top_p))
+    encoded = [encode(p, pair.tokenizer, cfg.dataset.get("template")) for p in prompts]
+    tensors = [torch.tensor([ids], device=pair.device) for ids in encoded]
+
+    prov = provenance(cfg, pair.device)
+    prov["cost_ratio_c"] = cost_ratio(pair, tensors[0])
+    prov["status"] = "running"
+    write_json_atomic(run_dir / "run.json", prov)
+
+    for _ in range(int(cfg.warmup)):  # untimed: first-call allocations, lazy inits, caches
+        for m in methods_.values():
+            timed_decode(m, pair, tensors[0], min(16, cfg.max_new_tokens), sampling, cfg.seed)
+
+    writer = RecordWriter(run_dir)
+    records: list[dict] = []
+    ok = False
+    try:
+        order = list(methods_.values())
+        for i, (prompt, ids, x) in enumerate(tqdm(list(zip(prompts, encoded, tensors)), desc=f"{cfg.method.name} on {cfg.dataset.name}", unit="prompt")):
+            per_prompt = {}
+            for m in order if i % 2 == 0 else order[::-1]:
+                res = timed_decode(m, pair, x, cfg.max_new_tokens, sampling, cfg.seed + i)
+                per_prompt[m.name] = make_record(cfg, pair, m, prompt, ids, res)
+            base = per_prompt.get(cfg.get("baseline"))
+            for name, rec in per_prompt.items():
+                if base is not None:
+                    rec["speedup"] = 1.0 if rec is base else paired_speedup(base, rec)
+                    # Token-for-token equality with the baseline (only meaningful for lossless greedy runs).
+                    rec["matches_baseline"] = rec["output_ids"] == base["output_ids"]
+                writer.write(rec)
+                records.append(rec)
+        ok = True
+    finally:
+        writer.close(publish=ok)
+        prov["status"] = "complete" if ok else "failed"
+        prov["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        if ok:
+            prov["summary"] = summarize(records, cfg.get("baseline"), prov["cost_ratio_c"])
+        write_json_atomic(run_dir / "run.json", prov)
+    return prov["summary"]

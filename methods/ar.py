@@ -1,0 +1,33 @@
+"""Plain autoregressive decoding with a KV cache: one target forward per new token."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from bench.registry import register
+from bench.sampling import next_token
+from methods.base import Decoded, Method
+
+
+@register("ar")
+class AR(Method):
+    lossless = True
+
+    def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> Decoded:
+        target = self.pair.target
+        cache = DynamicCache()
+        # Prefill: the whole prompt in one forward; only the last position needs logits.
+        logits = target(prompt_ids, cache, logits_to_keep=1).logits[0, -1]
+        out = [int(next_token(logits, sampling, generator))]
+        on_tokens(1)
+        out, done = self.finish(out, max_new_tokens)
+        step = torch.empty((1, 1), dtype=torch.long, device=prompt_ids.device)
+        while not done:
+            step.fill_(out[-1])
+            logits = target(step, cache).logits[0, -1]
+            out.append(int(next_token(logits, sampling, generator)))
+            on_tokens(1)
+            out, done = self.finish(out, max_new_tokens)
+        calls = len(out) - 1
+        return Decoded(out, accept_lengths=[1] * calls, drafted=[0] * calls)

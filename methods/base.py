@@ -1,0 +1,88 @@
+"""The one decode interface every method implements, and what a decode returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from omegaconf import DictConfig
+
+from bench.models import Pair
+from bench.sampling import Sampling
+
+
+@dataclass
+class Decoded:
+    """What one decode returns; timings and model calls are added by the harness, not by the method.
+
+    ``output_ids``: the new tokens only (prompt excluded), at most ``max_new_tokens``.
+    ``accept_lengths``: tokens committed by each target call after the prefill (bonus token counted, so
+    plain decoding gives 1 per call).
+    ``drafted``: tokens proposed for verification at each of those calls (0 for plain decoding); with
+    ``accept_lengths`` it gives the acceptance rate per draft position.
+    ``extra``: method-specific per-prompt figures (tree size, per-level hits, ...), JSON-able.
+    """
+
+    output_ids: list[int]
+    accept_lengths: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+
+
+class Method:
+    """Base class. A method proposes and verifies tokens; it never times, counts or writes anything.
+
+    Subclasses set ``lossless`` (True when greedy output must equal ``ar`` token for token).
+    """
+
+    name: str = "?"
+    lossless: bool = True
+
+    def __init__(self, cfg: DictConfig, pair: Pair):
+        self.cfg = cfg
+        self.pair = pair
+
+    def setup(self, train_if_missing: bool = True) -> None:
+        """Load (or train, when missing) what the method needs beyond the pair: heads, verifier, tables."""
+
+    def decode(
+        self,
+        prompt_ids: torch.Tensor,
+        max_new_tokens: int,
+        sampling: Sampling,
+        generator: torch.Generator | None,
+        on_tokens: Callable[[int], None],
+    ) -> Decoded:
+        """Decode one prompt.
+
+        Args:
+            prompt_ids: ``LongTensor`` of shape ``(1, prompt_len)`` on the pair's device.
+            on_tokens: call with the number of tokens just committed, every time some are (the harness
+                reads its clock on the first call: time to first token).
+        """
+        raise NotImplementedError
+
+    # Shared helpers -----------------------------------------------------------------------------------
+
+    @property
+    def eos_ids(self) -> set[int]:
+        tok = self.pair.tokenizer
+        ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+        gen = getattr(self.pair.target.module, "generation_config", None)
+        extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+        if isinstance(extra, int):
+            ids.add(extra)
+        elif extra:
+            ids.update(extra)
+        return ids
+
+    def finish(self, out: list[int], max_new_tokens: int) -> tuple[list[int], bool]:
+        """Cut committed tokens at the first EOS (kept) and at ``max_new_tokens``; True when decoding is done."""
+        eos = self.eos_ids
+        for i, t in enumerate(out):
+            if t in eos:
+                return out[: min(i + 1, max_new_tokens)], True
+        if len(out) >= max_new_tokens:
+            return out[:max_new_tokens], True
+        return out, False

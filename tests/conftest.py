@@ -1,0 +1,43 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+
+torch.set_grad_enabled(True)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    """Converted models and trained parts for tests: $BENCH_CACHE when set (CI reuses it), else a temp dir."""
+    return os.environ.get("BENCH_CACHE") or str(tmp_path_factory.mktemp("bench-cache"))
+
+
+@pytest.fixture(scope="session")
+def compose_cfg(cache_dir):
+    from bench.cli import compose
+
+    def _compose(*overrides):
+        return compose([f"cache_dir={cache_dir}", *overrides])
+
+    return _compose
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(compose_cfg):
+    from bench.models import load_pair
+
+    return load_pair(compose_cfg("pair=tiny"))
+
+
+@pytest.fixture(scope="session")
+def real_pair(compose_cfg):
+    """The default pair (SmolLM2-135M + its distilled draft); trains the draft once if it is not cached."""
+    from bench.models import load_pair
+
+    return load_pair(compose_cfg("pair=smollm2", "device=cpu"))

@@ -1,0 +1,73 @@
+"""The command line as users meet it: a tiny end-to-end run, the output contract, and bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def bench(*args, cache_dir, timeout=600):
+    env = {**os.environ, "BENCH_CACHE": str(cache_dir), "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "bench", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, cache_dir):
+    out = tmp_path_factory.mktemp("run")
+    res = bench("run", "method=sd", "pair=tiny", "max_new_tokens=12", "dataset.n_prompts=3",
+                f"hydra.run.dir={out}", cache_dir=cache_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out, res
+
+
+def test_run_writes_records_and_provenance(tiny_run):
+    out, res = tiny_run
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert not (out / "records.partial.jsonl").exists()
+    assert {r["method"] for r in records} == {"ar", "sd"} and len(records) == 6
+    required = {"method", "pair", "dataset", "prompt_id", "category", "prompt_ids", "output_ids", "output_text",
+                "new_tokens", "wall_s", "ttft_s", "tokens_per_s", "accept_lengths", "target_calls", "draft_calls",
+                "flops", "peak_mem_bytes", "speedup"}
+    for r in records:
+        assert required <= r.keys()
+        assert r["new_tokens"] == len(r["output_ids"]) <= 12
+        assert 0 < r["ttft_s"] <= r["wall_s"]
+        assert r["flops"]["total"] == pytest.approx(sum(v for k, v in r["flops"].items() if k != "total"))
+    sd = [r for r in records if r["method"] == "sd"]
+    assert all(r["matches_baseline"] for r in sd)  # greedy sd == ar inside the run itself
+    assert all(r["draft_calls"] > 0 for r in sd)
+    prov = json.loads((out / "run.json").read_text())
+    assert prov["status"] == "complete"
+    assert {"config", "git", "versions", "device", "cpu", "threads", "seed", "summary"} <= prov.keys()
+    assert "speedup" in res.stdout and "sd" in res.stdout  # the summary table is printed
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["method=nope"], "unknown method 'nope'; choose one of:"),
+    (["pair=nope"], "unknown pair 'nope'"),
+    (["dataset=nope"], "unknown dataset 'nope'"),
+    (["method.gamma=0"], "method.gamma must be at least 1"),
+    (["temperature=-1"], "temperature must be >= 0"),
+    (["max_new_tokens=0"], "max_new_tokens must be at least 1"),
+    (["top_p=1.5"], "top_p must be in (0, 1]"),
+    (["top_p=0"], "top_p must be in (0, 1]"),
+    (["pair=gpt2", "pair.target.id=/does/not/exist"], "model path '/does/not/exist' does not exist"),
+])
+def test_bad_input_one_sentence_nonzero_exit_no_results(tmp_path, cache_dir, args, needle):
+    out = tmp_path / "run"
+    res = bench("run", "pair=tiny", *args, f"hydra.run.dir={out}", cache_dir=cache_dir, timeout=300)
+    assert res.returncode != 0
+    assert needle in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (out / "records.jsonl").exists()
+
+
+def test_unknown_command(cache_dir):
+    res = bench("fly", cache_dir=cache_dir)
+    assert res.returncode == 2 and "unknown command 'fly'" in res.stderr

@@ -1,0 +1,67 @@
+"""Greedy equality: every lossless method reproduces `ar` token for token (tiny pairs here; the real
+default pair in test_real_model.py)."""
+
+import copy
+
+import pytest
+import torch
+
+from bench.counting import CountedLM
+from tests.helpers import decode, prompts_for
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+def test_sd_equals_ar_greedy_tiny(tiny_pair, gamma):
+    for ids in prompts_for(tiny_pair, 3):
+        ar = decode(tiny_pair, "ar", ids, max_new=40)
+        sd = decode(tiny_pair, "sd", ids, max_new=40, gamma=gamma)
+        assert sd.output_ids == ar.output_ids
+        assert len(sd.output_ids) == 40
+        assert sum(sd.accept_lengths) + 1 == len(sd.output_ids)  # prefill gives the first token
+
+
+def test_sd_equals_ar_with_adaptive_gamma(tiny_pair):
+    ids = prompts_for(tiny_pair, 1)[0]
+    ar = decode(tiny_pair, "ar", ids, max_new=33)
+    sd = decode(tiny_pair, "sd", ids, max_new=33, gamma=2, adaptive=True, gamma_min=1, gamma_max=8)
+    assert sd.output_ids == ar.output_ids
+
+
+def test_sd_with_perfect_draft_takes_every_token(tiny_pair):
+    """A draft identical to the target is always accepted: gamma + 1 tokens per target call."""
+    pair = copy.copy(tiny_pair)
+    pair.drafts = [CountedLM(tiny_pair.target.module, "draft")]
+    ids = prompts_for(tiny_pair, 1)[0]
+    ar = decode(pair, "ar", ids, max_new=31)
+    sd = decode(pair, "sd", ids, max_new=31, gamma=4)
+    assert sd.output_ids == ar.output_ids
+    assert sd.accept_lengths == [5] * 6  # 1 (prefill) + 6 * 5 = 31
+
+
+def test_outputs_stop_at_eos(tiny_pair):
+    """A forced EOS ends both methods at the same place, EOS kept."""
+    from methods.base import Method
+
+    m = Method.__new__(Method)
+    m.pair = tiny_pair
+    eos = tiny_pair.tokenizer.eos_token_id
+    assert m.finish([5, 6, eos, 7], 10) == ([5, 6, eos], True)
+    assert m.finish([5, 6, 7], 3) == ([5, 6, 7], True)
+    assert m.finish([5, 6], 3) == ([5, 6], False)
+
+
+def test_sd_sampling_runs_and_is_reproducible(tiny_pair):
+    ids = prompts_for(tiny_pair, 1)[0]
+    a = decode(tiny_pair, "sd", ids, max_new=20, temperature=0.8, top_p=0.9, seed=7, gamma=3)
+    b = decode(tiny_pair, "sd", ids, max_new=20, temperature=0.8, top_p=0.9, seed=7, gamma=3)
+    assert a.output_ids == b.output_ids and len(a.output_ids) == 20
+
+
+def test_caches_are_rolled_back_not_recomputed(tiny_pair):
+    """The target scores each position about once: prompt + new tokens + the rejected drafts, never more."""
+    ids = prompts_for(tiny_pair, 1)[0]
+    tiny_pair.reset_counts()
+    out = decode(tiny_pair, "sd", ids, max_new=40, gamma=3)
+    scored = tiny_pair.target.tokens
+    rejected = sum(k - (a - 1) for a, k in zip(out.accept_lengths, out.drafted))
+    assert scored == len(ids) + len(out.output_ids) - 1 + rejected

@@ -1,0 +1,72 @@
+"""Model loading: the hub code path on local files, a distilled draft on a tiny target, corrupt caches."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from bench.distill import draft_from_target
+from bench.errors import BenchError
+from bench.models import load_pair
+from tests.helpers import decode, prompts_for
+
+
+def test_hub_pair_loads_from_local_folders(tiny_pair, compose_cfg, tmp_path):
+    """The code users run with `pair=gpt2` / `pair=vicuna`, pointed at folders saved here."""
+    tiny_pair.target.module.save_pretrained(tmp_path / "target")
+    tiny_pair.tokenizer.save_pretrained(tmp_path / "target")
+    tiny_pair.draft.module.save_pretrained(tmp_path / "draft")
+    cfg = compose_cfg("pair=gpt2", f"pair.target.id={tmp_path / 'target'}", f"pair.drafts.0.id={tmp_path / 'draft'}")
+    pair = load_pair(cfg)
+    ids = prompts_for(pair, 1)[0]
+    assert decode(pair, "sd", ids, max_new=16, gamma=3).output_ids == decode(tiny_pair, "ar", ids, max_new=16).output_ids
+
+
+def test_draft_with_all_layers_and_full_vocab_is_the_target(tiny_pair):
+    target = tiny_pair.target.module
+    n, vocab = target.config.num_hidden_layers, target.config.vocab_size
+    draft = draft_from_target(target, list(range(n)), torch.arange(vocab))
+    x = torch.randint(0, vocab, (2, 11))
+    with torch.no_grad():
+        assert torch.allclose(draft(x).logits, target(x).logits, atol=1e-5)
+
+
+def test_reduced_vocab_draft_scatters_to_full_vocab(tiny_pair):
+    target = tiny_pair.target.module
+    vocab_map = torch.tensor([3, 7, 50, 100])
+    draft = draft_from_target(target, [0], vocab_map)
+    with torch.no_grad():
+        logits = draft(torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape[-1] == target.config.vocab_size
+    finite = torch.isfinite(logits[0, 0]).nonzero().flatten()
+    assert finite.tolist() == vocab_map.tolist()
+
+
+@pytest.fixture(scope="module")
+def distilled_cfg(compose_cfg):
+    recipe = {"layers": [0], "vocab": 64, "corpus": "lee", "max_tokens": 2048, "eval_tokens": 512, "seq_len": 64,
+              "batch_size": 8, "epochs": 1, "lr": 1e-3, "topk": 8, "seed": 0}
+    cfg = compose_cfg("pair=tiny")
+    cfg.pair.drafts = [OmegaConf.create({"source": "distilled", "recipe": recipe})]
+    return cfg
+
+
+def test_distilled_draft_trains_caches_and_is_lossless(distilled_cfg):
+    pair = load_pair(distilled_cfg)  # trains (seconds) and caches
+    ids = prompts_for(pair, 1)[0]
+    assert decode(pair, "sd", ids, max_new=24, gamma=3).output_ids == decode(pair, "ar", ids, max_new=24).output_ids
+    again = load_pair(distilled_cfg, train_if_missing=False)  # from the cache, no training
+    assert torch.equal(again.draft.module.head.weight, pair.draft.module.head.weight)
+
+
+def test_corrupt_draft_cache_is_one_clear_error(distilled_cfg):
+    from bench.distill import draft_dir
+
+    pair = load_pair(distilled_cfg)
+    folder = draft_dir(pair.target.module, distilled_cfg.pair.drafts[0].recipe, pair.cache)
+    blob = (folder / "draft.pt").read_bytes()
+    try:
+        (folder / "draft.pt").write_bytes(blob[: len(blob) // 3])
+        with pytest.raises(BenchError, match="is corrupt"):
+            load_pair(distilled_cfg)
+    finally:
+        (folder / "draft.pt").write_bytes(blob)
