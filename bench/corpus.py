@@ -60,3 +60,39 @@ def corpus(name: str, split: str = "train") -> tuple[str, ...]:
         else:
             raise BenchError(f"unknown training corpus '{part}'; use lee, wiki or lee+wiki.")
     return tuple(docs)
+
+
+def _sentences(text: str, n: int) -> str:
+    return " ".join(text.split(". ")[:n]).strip()
+
+
+def instruction_prompts(n: int, seed: int = 0) -> list[str]:
+    """``n`` varied instructions built from packaged text, for the target to answer (self-distillation).
+
+    Sources: Lee *background* articles (the benchmark's news prompts use the held-out ``test`` articles)
+    and the Wikipedia extract. GSM8K is left out on purpose: the benchmark draws its math prompts there.
+    """
+    import random
+
+    rng = random.Random(seed)
+    articles = [a[:900] for a in lee_articles("train")]
+    wiki = [w[:700] for w in wiki_articles()]
+    templates = [
+        lambda a: f"Summarize the following news article in three sentences.\n\n{a}",
+        lambda a: f"What are the main points of this text?\n\n{a}",
+        lambda a: f"Write a short headline for this news story:\n\n{a}",
+        lambda a: f"Passage: {a}\n\nQuestion: According to the passage, what happened and who was involved?",
+        lambda a: f"Translate into French: {_sentences(a, 1)}",
+        lambda a: f"Explain this to a ten-year-old: {_sentences(a, 2)}",
+        lambda a: f"Write a friendly email to a colleague about this news: {_sentences(a, 2)}",
+        lambda a: f"Give three questions a reader might ask after reading this:\n\n{a}",
+    ]
+    wiki_templates = [
+        lambda w: f"Explain the following passage in simple terms.\n\n{w}",
+        lambda w: f"What is this text about? Answer in a few sentences.\n\n{w}",
+        lambda w: f"{_sentences(w, 1)}. Tell me more about this topic.",
+        lambda w: f"Write a short quiz question with its answer based on this text:\n\n{w}",
+    ]
+    pool = [t(a) for a in articles for t in templates] + [t(w) for w in wiki for t in wiki_templates]
+    rng.shuffle(pool)
+    return pool[:n]

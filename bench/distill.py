@@ -22,6 +22,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from tqdm.auto import tqdm
+from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from bench.corpus import corpus
@@ -31,18 +32,22 @@ from bench.models import atomic_dir, recipe_key
 log = logging.getLogger(__name__)
 
 
-class DraftLM(nn.Module):
+class DraftLM(PreTrainedModel, GenerationMixin):
     """A small causal LM with a reduced output vocabulary; its logits come back over the full vocabulary.
 
     ``forward(input_ids (B, T), past_key_values, ...)`` returns ``logits`` of shape ``(B, T, full_vocab)``
-    (``-inf`` outside ``vocab_map``) and ``hidden_states = (last_hidden (B, T, hidden),)``.
+    (``-inf`` outside ``vocab_map``) and ``hidden_states = (last_hidden (B, T, hidden),)``. It is a
+    Hugging Face ``PreTrainedModel`` with ``generate``, so transformers' own assisted generation can use it
+    as ``assistant_model`` (the benchmark script compares against that).
     """
 
+    _supports_sdpa = True
+    _can_compile_fullgraph = False
+
     def __init__(self, config, vocab_map: torch.Tensor):
-        super().__init__()
+        super().__init__(config)
         from transformers import AutoModel
 
-        self.config = config
         self.body = AutoModel.from_config(config)
         self.head = nn.Linear(config.hidden_size, vocab_map.numel(), bias=False)
         self.register_buffer("vocab_map", vocab_map.long(), persistent=True)
@@ -53,11 +58,21 @@ class DraftLM(nn.Module):
         hidden = out.last_hidden_state
         return self.head(hidden), hidden
 
-    def forward(self, input_ids, past_key_values=None, use_cache=False, output_hidden_states=False, **kwargs):
-        sub, hidden = self.sub_logits(input_ids, past_key_values, use_cache, **kwargs)
+    def get_input_embeddings(self):
+        return self.body.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids, past_key_values=None, use_cache=False, output_hidden_states=False,
+                logits_to_keep: int = 0, **kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("return_dict", "output_attentions")}
+        out = self.body(input_ids=input_ids, past_key_values=past_key_values, use_cache=use_cache, **kwargs)
+        hidden = out.last_hidden_state
+        sub = self.head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         logits = sub.new_full((*sub.shape[:-1], self.config.vocab_size), float("-inf"))
         logits[..., self.vocab_map] = sub
-        return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values, hidden_states=(hidden,))
+        return CausalLMOutputWithPast(logits=logits, past_key_values=out.past_key_values, hidden_states=(hidden,))
 
 
 def draft_from_target(target, layers: list[int], vocab_map: torch.Tensor) -> DraftLM:
@@ -125,14 +140,20 @@ def pick_vocab(tokenizer, chunks: torch.Tensor, top1: torch.Tensor, size: int) -
 
 
 def distill_loss(draft: DraftLM, x, idx, prob, to_sub):
-    """Cross-entropy of the draft against the target's top-k distribution, restricted to the draft vocab."""
+    """Cross-entropy of the draft against the target's top-k distribution, restricted to the draft vocab.
+
+    ``x``: ``(B, T)`` token ids; ``idx`` / ``prob``: ``(B, T, k)`` the target's top-k at each position, with
+    ``prob`` all zero where a position has no label (prompt text, padding).
+    """
     sub_logits, _ = draft.sub_logits(x)
     logq = torch.log_softmax(sub_logits.float(), -1)
     sub_idx = to_sub[idx]  # (B, T, k); -1 where the target's token is outside the drafting vocabulary
-    mask = sub_idx >= 0
-    w = prob * mask
-    w = w / w.sum(-1, keepdim=True).clamp_min(1e-9)
-    return -(w * logq.gather(-1, sub_idx.clamp_min(0))).sum(-1).mean()
+    w = prob * (sub_idx >= 0)
+    mass = w.sum(-1, keepdim=True)
+    labelled = (mass.squeeze(-1) > 0).float()
+    w = w / mass.clamp_min(1e-9)
+    per_pos = -(w * logq.gather(-1, sub_idx.clamp_min(0))).sum(-1)
+    return (per_pos * labelled).sum() / labelled.sum().clamp_min(1.0)
 
 
 @torch.no_grad()
@@ -147,6 +168,68 @@ def top1_agreement(draft: DraftLM, chunks, top1, batch_size: int) -> float:
     return hits / max(total, 1)
 
 
+@torch.no_grad()
+def self_distill_data(target, tokenizer, recipe: DictConfig):
+    """The target answers packaged instructions greedily (batched); its logits at every answer position are
+    kept as top-k soft labels. The draft then learns the target on the target's own kind of text.
+
+    Returns ``(ids, idx, prob)``: ``LongTensor (N, L)`` (right-padded with EOS), ``LongTensor (N, L, k)`` and
+    ``FloatTensor (N, L, k)`` with zero ``prob`` on prompt and padding positions.
+    """
+    from bench.corpus import instruction_prompts
+
+    sd = recipe.self_distill
+    prompts = instruction_prompts(int(sd.prompts), int(recipe.seed))
+    eos, k = tokenizer.eos_token_id, int(recipe.topk)
+    rows = []
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"  # generation appends on the right, so prompts are aligned on the right
+    try:
+        for start in tqdm(range(0, len(prompts), int(sd.batch_size)), desc="draft: target answers", unit="batch"):
+            chats = [[{"role": "user", "content": p}] for p in prompts[start : start + int(sd.batch_size)]]
+            text = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
+            enc = tokenizer(text, return_tensors="pt", padding=True, add_special_tokens=False)
+            out = target.generate(**enc, max_new_tokens=int(sd.max_new_tokens), do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True, pad_token_id=eos)
+            steps = torch.stack(out.logits, 1).float()  # (B, R, vocab): the target's logits for answer token t
+            p, i = torch.softmax(steps, -1).topk(k, dim=-1)
+            width = enc["input_ids"].shape[1]
+            for b in range(len(chats)):
+                prompt = enc["input_ids"][b][enc["attention_mask"][b].bool()]
+                answer = out.sequences[b, width:]
+                ends = (answer == eos).nonzero()
+                n = int(ends[0]) + 1 if ends.numel() else answer.numel()
+                ids = torch.cat([prompt, answer[:n]])
+                ridx = torch.zeros(len(ids), k, dtype=torch.long)
+                rprob = torch.zeros(len(ids), k)
+                # Position P-1+t predicts answer token t: that is where answer step t's distribution belongs.
+                ridx[len(prompt) - 1 : len(prompt) - 1 + n] = i[b, :n]
+                rprob[len(prompt) - 1 : len(prompt) - 1 + n] = p[b, :n]
+                rows.append((ids, ridx, rprob))
+    finally:
+        tokenizer.padding_side = side
+    width = max(len(r[0]) for r in rows)
+    ids = torch.full((len(rows), width), eos, dtype=torch.long)
+    idx = torch.zeros(len(rows), width, k, dtype=torch.long)
+    prob = torch.zeros(len(rows), width, k)
+    for r, (a, b, c) in enumerate(rows):
+        ids[r, : len(a)], idx[r, : len(a)], prob[r, : len(a)] = a, b, c
+    return ids, idx, prob
+
+
+@torch.no_grad()
+def answer_agreement(draft: DraftLM, ids, idx, prob, batch_size: int) -> float:
+    """Greedy agreement on held-out target answers: the acceptance rate greedy SD sees, token by token."""
+    hits = total = 0
+    for start in range(0, len(ids), batch_size):
+        sl = slice(start, start + batch_size)
+        sub, _ = draft.sub_logits(ids[sl])
+        labelled = prob[sl][..., 0] > 0
+        hits += (draft.vocab_map[sub.argmax(-1)] == idx[sl][..., 0])[labelled].sum().item()
+        total += labelled.sum().item()
+    return hits / max(total, 1)
+
+
 def train_draft(target, tokenizer, recipe: DictConfig) -> tuple[DraftLM, dict]:
     """Distil a draft from the frozen target on packaged text; returns the draft and its training report."""
     torch.manual_seed(int(recipe.seed))
@@ -155,6 +238,15 @@ def train_draft(target, tokenizer, recipe: DictConfig) -> tuple[DraftLM, dict]:
     held = token_chunks(tokenizer, corpus(recipe.corpus, "test"), recipe.seq_len, recipe.eval_tokens)
     idx, prob, top1 = teacher_targets(target, train, recipe.topk, recipe.batch_size, "draft: target labels")
     _, _, held_top1 = teacher_targets(target, held, 1, recipe.batch_size, "draft: held-out labels")
+    batches = [(train, idx, prob)]
+    answers = None
+    if recipe.get("self_distill") and int(recipe.self_distill.prompts) > 0:
+        answers = self_distill_data(target, tokenizer, recipe)
+        hold = max(1, len(answers[0]) // 10)  # the last tenth of the answers is held out
+        held_answers = tuple(t[-hold:] for t in answers)
+        answers = tuple(t[:-hold] for t in answers)
+        batches.append(answers)
+        top1 = torch.cat([top1.flatten(), answers[1][..., 0][answers[2][..., 0] > 0]])
     vocab_map = pick_vocab(tokenizer, train, top1, min(int(recipe.vocab), target.config.vocab_size))
     to_sub = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
     to_sub[vocab_map] = torch.arange(vocab_map.numel())
@@ -164,13 +256,17 @@ def train_draft(target, tokenizer, recipe: DictConfig) -> tuple[DraftLM, dict]:
     draft.body.embed_tokens.weight.requires_grad_(False)  # the input embedding stays the target's
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=float(recipe.lr), weight_decay=0.0)
-    steps = int(recipe.epochs) * math.ceil(len(train) / recipe.batch_size)
+    steps = int(recipe.epochs) * sum(math.ceil(len(b[0]) / recipe.batch_size) for b in batches)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=float(recipe.lr), total_steps=steps, pct_start=0.1)
     draft.train()
     bar = tqdm(total=steps, desc="draft: distilling", unit="step")
+    # Batches from the news text and from the target's answers are interleaved at random each epoch.
+    plan = [(s, b) for s, (x, _, _) in enumerate(batches) for b in range(math.ceil(len(x) / recipe.batch_size))]
     for _ in range(int(recipe.epochs)):
-        for b in torch.randperm(len(train)).split(int(recipe.batch_size)):
-            loss = distill_loss(draft, train[b], idx[b], prob[b], to_sub)
+        for s_, b_ in (plan[j] for j in torch.randperm(len(plan)).tolist()):
+            x, xi, xp = batches[s_]
+            perm = torch.arange(b_ * recipe.batch_size, min((b_ + 1) * recipe.batch_size, len(x)))
+            loss = distill_loss(draft, x[perm], xi[perm], xp[perm], to_sub)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -180,6 +276,9 @@ def train_draft(target, tokenizer, recipe: DictConfig) -> tuple[DraftLM, dict]:
             bar.set_postfix(loss=f"{loss.item():.3f}")
     bar.close()
     draft.eval()
+    if answers is not None:
+        report["answer_tokens"] = int((answers[2][..., 0] > 0).sum())
+        report["answer_agreement"] = answer_agreement(draft, *held_answers, recipe.batch_size)
     report.update(
         agreement_after=top1_agreement(draft, held, held_top1, recipe.batch_size),
         train_tokens=train.numel(),

@@ -40,6 +40,17 @@ def peak_memory(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def clocked(device: torch.device, fn, *args, **kwargs):
+    """``(fn(*args, **kwargs), seconds)`` under the harness clock: the device is synchronised before each read.
+    For code the harness does not drive step by step (e.g. transformers' own ``generate`` in scripts/)."""
+    sync(device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = fn(*args, **kwargs)
+    sync(device)
+    return out, time.perf_counter() - start
+
+
 def timed_decode(method, pair: Pair, prompt_ids: torch.Tensor, max_new: int, sampling: Sampling, seed: int) -> dict:
     """Decode once under the clock; returns the method's output, the timings and the per-role counts."""
     device = pair.device
