@@ -157,6 +157,9 @@ def render_report(df: pd.DataFrame, runs: list[dict], out_dir: Path, baseline: s
     for run in runs:
         blob = json.dumps({k: v for k, v in run.items() if k != "summary"}, indent=1, default=str)
         parts.append(f"<details><summary>{html.escape(run['run_dir'])}</summary><pre>{html.escape(blob)}</pre></details>")
+    # Marks on <body> how many images the browser decoded (tests read it from a headless browser's DOM).
+    parts.append("<script>addEventListener('load',()=>{document.body.dataset.imagesLoaded="
+                 "[...document.images].filter(i=>i.complete&&i.naturalWidth>0).length;});</script>")
     parts.append("</body></html>")
     out = out_dir / "report.html"
     out.write_text("\n".join(parts), encoding="utf-8")
