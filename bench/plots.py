@@ -92,24 +92,26 @@ def threshold_tradeoff(df: pd.DataFrame, runs: list[dict], baseline: str = "ar")
         return "no method with a threshold setting (method.threshold)"
     fig, ax = plt.subplots(figsize=(SINGLE, 2.4))
     qcols = [c for c in sub.columns if c.startswith("q_") and sub[c].notna().any()]
+    ax2 = ax.twinx() if qcols else None  # quality on its own axis, right
     for method, g in sub.groupby("method"):
         pts = g.groupby("threshold").agg(speedup=("speedup", "median"), **({"quality": (qcols[0], "mean")} if qcols else {}))
         ax.plot(pts.index, pts["speedup"], "o-", ms=3, label=f"{method}: speedup")
-        if qcols:
-            ax2 = ax.twinx()
-            ax2.plot(pts.index, pts["quality"], "s--", ms=3, color="tab:red", label=f"{method}: {qcols[0][2:]}")
-            ax2.set_ylabel(qcols[0][2:], color="tab:red")
-            ax2.spines["right"].set_visible(True)
-            ax2.grid(False)
+        if ax2 is not None:
+            ax2.plot(pts.index, pts["quality"], "s--", ms=3, color="tab:red", label=f"{method}: {qcols[0][2:]} (right)")
+    if ax2 is not None:
+        ax2.set_ylabel(qcols[0][2:], color="tab:red")
+        ax2.spines["right"].set_visible(True)
+        ax2.grid(False)
+    handles = [h for a in (ax, ax2) if a is not None for h in a.get_legend_handles_labels()[0]]
+    ax.legend(handles, [h.get_label() for h in handles], frameon=False, loc="best")
     ax.set_xlabel("threshold")
     ax.set_ylabel(f"speedup over {baseline} (median)")
-    ax.legend(frameon=False, loc="best")
     return fig
 
 
 def accepted_histogram(df: pd.DataFrame, runs: list[dict], baseline: str = "ar"):
     """Distribution of tokens committed per target call (after prefill), per drafting method."""
-    drafting = df[df["drafted"].map(lambda d: bool(d) and any(d))] if "drafted" in df else df.iloc[:0]
+    drafting = df[df["drafted"].map(lambda d: isinstance(d, list) and any(d))] if "drafted" in df else df.iloc[:0]
     if drafting.empty:
         return "no method drafted tokens"
     fig, ax = plt.subplots(figsize=(SINGLE, 2.2))

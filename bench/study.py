@@ -112,9 +112,13 @@ def bootstrap_ci(values, level: float = 0.95, n: int = 2000, seed: int = 0) -> t
     return float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
 
 
+def _list(x) -> list:
+    return x if isinstance(x, list) else []  # a record without the field reads back as NaN
+
+
 def _aggregate(g: pd.DataFrame, level: float) -> dict:
-    acc = [a for lst in g["accept_lengths"] for a in (lst or [])]
-    dr = [d for lst in g["drafted"] for d in (lst or [])] if "drafted" in g else []
+    acc = [a for lst in g["accept_lengths"] for a in _list(lst)]
+    dr = [d for lst in g["drafted"] for d in _list(lst)] if "drafted" in g else []
     tokens = g["new_tokens"].sum()
     lo, hi = bootstrap_ci(g["speedup"], level)
     row = {
