@@ -9,13 +9,18 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from bench.errors import BenchError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 GROUPS = ("method", "pair", "dataset")
 log = logging.getLogger("bench")
+
+# ``${bench.first:a,b}``: the first of its arguments that is set; configs/config.yaml uses it so that
+# ``resume=DIR`` also names the run (or sweep) directory.
+if not OmegaConf.has_resolver("bench.first"):
+    OmegaConf.register_new_resolver("bench.first", lambda *args: next((a for a in args if a not in (None, "")), None))
 
 
 def choices(group: str) -> list[str]:
@@ -66,14 +71,15 @@ def run_main(args: list[str]) -> int:
     return 0
 
 
-def compose(args: list[str]) -> DictConfig:
-    """The config ``run`` would see for these overrides, without starting a run (for ``train``, tests)."""
+def compose(args: list[str], hydra: bool = False) -> DictConfig:
+    """The config ``run`` would see for these overrides, without starting a run (for ``train``, tests);
+    ``hydra=True`` keeps the ``hydra`` node (launcher, sweeper, directories)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     check_choices(args)
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=args)
+        return hydra_compose(config_name="config", overrides=args, return_hydra_config=hydra)
 
 
 def train_main(args: list[str]) -> int:

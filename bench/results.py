@@ -3,11 +3,16 @@
 Records are appended to ``records.partial.jsonl`` one complete line at a time while a run goes on; the
 file becomes ``records.jsonl`` only when the run has finished, so a ``records.jsonl`` is always whole.
 Readers skip a torn last line of a partial file instead of failing.
+
+Resuming: every record carries a ``run_key`` (method settings, pair, dataset, prompt, sampling settings,
+token budget, seed). A run started with ``resume=DIR`` reads the complete records already in its directory
+(``records.jsonl`` and a leftover ``records.partial.jsonl``), carries them over and decodes only the rest.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import os
 import platform
@@ -29,11 +34,22 @@ def write_json_atomic(path: Path, obj) -> None:
 
 
 class RecordWriter:
-    """Appends one JSON line per decoded prompt; ``close()`` publishes the file as ``records.jsonl``."""
+    """Appends one JSON line per decoded prompt; ``close()`` publishes the file as ``records.jsonl``.
 
-    def __init__(self, run_dir: Path):
+    The partial file starts afresh, holding only ``carried`` records (those a resumed run keeps), written
+    through a temp file and a rename: appending to a leftover file could glue a new line onto a torn one.
+    """
+
+    def __init__(self, run_dir: Path, carried: list[dict] = ()):
         self.run_dir = run_dir
         self.partial = run_dir / PARTIAL
+        tmp = run_dir / (PARTIAL + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            for rec in carried:
+                fh.write(json.dumps(clean_nan(rec), default=_jsonable) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.partial)  # until here the old partial (if any) still holds everything
         self.fh = open(self.partial, "a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
@@ -66,13 +82,48 @@ def clean_nan(obj):
 def read_records(path: Path) -> list[dict]:
     """Records of a JSONL file; a line that is not valid JSON (a torn write) is skipped."""
     out = []
-    with open(path, encoding="utf-8") as fh:
+    with open(path, encoding="utf-8", errors="replace") as fh:
         for line in fh:
             try:
                 out.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
     return out
+
+
+def run_key(method_cfg: dict, cfg: DictConfig, prompt_id: str) -> str:
+    """A stable id of one decode's settings: same key, same measurement to make (a resumed run keeps it).
+
+    Covers the method's settings, the pair's config, the dataset's config (but not ``n_prompts`` or
+    ``categories``, which only choose prompts), the prompt, temperature, top_p, max_new_tokens and seed.
+    """
+    dataset = OmegaConf.to_container(cfg.dataset, resolve=True)
+    for key in ("n_prompts", "categories"):
+        dataset.pop(key, None)
+    parts = {
+        "method": method_cfg,
+        "pair": OmegaConf.to_container(cfg.pair, resolve=True),
+        "dataset": dataset,
+        "prompt_id": prompt_id,
+        "temperature": float(cfg.temperature),
+        "top_p": float(cfg.top_p),
+        "max_new_tokens": int(cfg.max_new_tokens),
+        "seed": int(cfg.seed),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def previous_records(run_dir: Path) -> dict[str, dict]:
+    """Complete records already in ``run_dir`` by ``run_key``: ``records.jsonl``, then a leftover
+    ``records.partial.jsonl`` (a killed or resumed run), torn lines skipped; records without a key are ignored."""
+    found: dict[str, dict] = {}
+    for name in (RECORDS, PARTIAL):
+        path = run_dir / name
+        if path.exists():
+            for rec in read_records(path):
+                if isinstance(rec, dict) and rec.get("run_key"):
+                    found[rec["run_key"]] = rec
+    return found
 
 
 def git_state() -> dict:

@@ -7,6 +7,7 @@ ratios of those paired measurements, taken in the same run.
 
 from __future__ import annotations
 
+import json
 import logging
 import resource
 import time
@@ -20,7 +21,7 @@ from bench import metrics
 from bench.data import encode, load_prompts
 from bench.models import Pair, load_pair
 from bench.registry import get_method
-from bench.results import RecordWriter, provenance, write_json_atomic
+from bench.results import RecordWriter, previous_records, provenance, run_key, write_json_atomic
 from bench.sampling import Sampling
 from bench.validate import validate
 
@@ -106,17 +107,44 @@ def cost_ratio(pair: Pair, prompt_ids: torch.Tensor, repeats: int = 10) -> float
     return times["draft"] / times["target"]
 
 
+def method_cfgs(cfg: DictConfig) -> dict[str, DictConfig]:
+    """The baseline (if any) and the method under test, in that order, each with its settings."""
+    cfgs = {}
+    if cfg.get("baseline") and cfg.baseline != cfg.method.name:
+        cfgs[cfg.baseline] = OmegaConf.create({"name": cfg.baseline})
+    cfgs[cfg.method.name] = cfg.method
+    return cfgs
+
+
 def build_methods(cfg: DictConfig, pair: Pair) -> dict:
     """The baseline (if any) and the method under test, set up (trained if missing) before any clock runs."""
-    names = [cfg.method.name]
-    if cfg.get("baseline") and cfg.baseline != cfg.method.name:
-        names.insert(0, cfg.baseline)
     built = {}
-    for name in names:
-        mcfg = cfg.method if name == cfg.method.name else OmegaConf.create({"name": name})
+    for name, mcfg in method_cfgs(cfg).items():
         built[name] = get_method(name)(mcfg, pair)
         built[name].setup(train_if_missing=cfg.train_if_missing)
     return built
+
+
+def resume_plan(cfg: DictConfig, run_dir: Path, prompts: list) -> tuple[dict, dict]:
+    """``keys[prompt_id][method]``: the run key of every decode this run makes; ``done[prompt_id]``: with
+    ``resume`` set, the records of prompts whose every method already has a complete record in ``run_dir``
+    (a prompt missing any of them is decoded again by all, so speedups stay paired within one process)."""
+    mcfgs = {name: OmegaConf.to_container(m, resolve=True) for name, m in method_cfgs(cfg).items()}
+    keys = {p.prompt_id: {name: run_key(mc, cfg, p.prompt_id) for name, mc in mcfgs.items()} for p in prompts}
+    done = {}
+    if cfg.get("resume"):
+        prev = previous_records(run_dir)
+        for pid, ks in keys.items():
+            if all(k in prev for k in ks.values()):
+                done[pid] = [prev[k] for k in ks.values()]
+    return keys, done
+
+
+def previous_provenance(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def make_record(cfg, pair, method, prompt, prompt_ids, run: dict) -> dict:
@@ -188,32 +216,45 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
         torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
-    pair = load_pair(cfg, train_if_missing=cfg.train_if_missing)
     prompts = load_prompts(cfg.dataset, cfg.seed)
-    methods_ = build_methods(cfg, pair)
-    sampling = Sampling(float(cfg.temperature), float(cfg.top_p))
-    encoded = [encode(p, pair.tokenizer, cfg.dataset.get("template")) for p in prompts]
-    tensors = [torch.tensor([ids], device=pair.device) for ids in encoded]
+    keys, done = resume_plan(cfg, run_dir, prompts)
+    # Prompt i keeps its index (its seed and its order of methods) whether or not earlier ones were kept.
+    todo = [(i, p) for i, p in enumerate(prompts) if p.prompt_id not in done]
+    carried = [r for p in prompts for r in done.get(p.prompt_id, [])]
+    if cfg.get("resume"):
+        log.info("resume: %d prompts complete in %s, %d to decode", len(done), run_dir, len(todo))
 
-    prov = provenance(cfg, pair.device)
-    prov["cost_ratio_c"] = cost_ratio(pair, tensors[0])
+    methods_, encoded, tensors = {}, [], []
+    if todo:
+        pair = load_pair(cfg, train_if_missing=cfg.train_if_missing)
+        methods_ = build_methods(cfg, pair)
+        sampling = Sampling(float(cfg.temperature), float(cfg.top_p))
+        encoded = [encode(p, pair.tokenizer, cfg.dataset.get("template")) for _, p in todo]
+        tensors = [torch.tensor([ids], device=pair.device) for ids in encoded]
+        prov = provenance(cfg, pair.device)
+        prov["cost_ratio_c"] = cost_ratio(pair, tensors[0])
+    else:  # everything is already measured: no model needs loading
+        prov = previous_provenance(run_dir) or {**provenance(cfg, torch.device("cpu")), "cost_ratio_c": float("nan")}
+    if cfg.get("resume"):
+        prov["resumed"] = {"kept_prompts": len(done), "decoded_prompts": len(todo)}
     prov["status"] = "running"
     write_json_atomic(run_dir / "run.json", prov)
 
-    for _ in range(int(cfg.warmup)):  # untimed: first-call allocations, lazy inits, caches
+    for _ in range(int(cfg.warmup) if tensors else 0):  # untimed: first-call allocations, lazy inits, caches
         for m in methods_.values():
             timed_decode(m, pair, tensors[0], min(16, cfg.max_new_tokens), sampling, cfg.seed)
 
-    writer = RecordWriter(run_dir)
-    records: list[dict] = []
+    writer = RecordWriter(run_dir, carried)
+    records: list[dict] = list(carried)
     ok = False
     try:
         order = list(methods_.values())
-        for i, (prompt, ids, x) in enumerate(tqdm(list(zip(prompts, encoded, tensors)), desc=f"{cfg.method.name} on {cfg.dataset.name}", unit="prompt")):
+        for (i, prompt), ids, x in tqdm(list(zip(todo, encoded, tensors)), desc=f"{cfg.method.name} on {cfg.dataset.name}", unit="prompt"):
             per_prompt = {}
             for m in order if i % 2 == 0 else order[::-1]:
                 res = timed_decode(m, pair, x, cfg.max_new_tokens, sampling, cfg.seed + i)
                 per_prompt[m.name] = make_record(cfg, pair, m, prompt, ids, res)
+                per_prompt[m.name]["run_key"] = keys[prompt.prompt_id][m.name]
             base = per_prompt.get(cfg.get("baseline"))
             for name, rec in per_prompt.items():
                 if base is not None:

@@ -1,0 +1,202 @@
+"""Paper-style figures of saved results (``python -m bench plot``), each as PDF and PNG.
+
+Each figure function takes the loaded records (``bench.study.load``) and returns a matplotlib figure, or a
+string saying why its data is absent (the figure is then skipped, not drawn empty).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never a window
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from bench import study  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+STYLE = {
+    "font.size": 8, "axes.titlesize": 8, "axes.labelsize": 8, "legend.fontsize": 7, "xtick.labelsize": 7,
+    "ytick.labelsize": 7, "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True,
+    "grid.alpha": 0.3, "grid.linewidth": 0.5, "savefig.bbox": "tight", "savefig.dpi": 200,
+    "pdf.fonttype": 42,  # TrueType in PDFs, as camera-ready checks want
+}
+SINGLE, DOUBLE = 3.3, 6.8  # column widths in inches (two-column paper)
+
+
+def colors(labels) -> dict:
+    cmap = plt.get_cmap("tab10")
+    return {lab: cmap(i % 10) for i, lab in enumerate(sorted(set(labels)))}
+
+
+def speedup_by_category(df: pd.DataFrame, runs: list[dict], baseline: str = "ar"):
+    """Spec-Bench-style grouped bars: median speedup per category and overall, one bar per method, with
+    the bootstrap interval (one panel per pair × dataset)."""
+    methods = df[(df["method"] != baseline) & df["speedup"].notna()]
+    if methods.empty:
+        return "no method with a paired baseline measurement"
+    combos = list(methods.groupby(["pair", "dataset"]).groups)
+    fig, axes = plt.subplots(len(combos), 1, figsize=(DOUBLE, 2.2 * len(combos)), squeeze=False)
+    col = colors(methods["label"])
+    for ax, (pair, dataset) in zip(axes[:, 0], combos):
+        sub = methods[(methods["pair"] == pair) & (methods["dataset"] == dataset)]
+        cats = list(dict.fromkeys(sub["category"])) + ["overall"]
+        labs = sorted(sub["label"].unique())
+        width = 0.8 / len(labs)
+        for j, lab in enumerate(labs):
+            rows = sub[sub["label"] == lab]
+            vals = [rows[rows["category"] == c]["speedup"] if c != "overall" else rows["speedup"] for c in cats]
+            med = [np.nanmedian(v) if len(v) else np.nan for v in vals]
+            ci = [study.bootstrap_ci(list(v)) for v in vals]
+            err = np.array([[m - lo for m, (lo, _) in zip(med, ci)], [hi - m for m, (_, hi) in zip(med, ci)]])
+            x = np.arange(len(cats)) + (j - (len(labs) - 1) / 2) * width
+            ax.bar(x, med, width, yerr=np.nan_to_num(err), capsize=1.5, label=lab, color=col[lab], error_kw={"lw": 0.6})
+        ax.axhline(1.0, color="black", lw=0.6, ls="--")
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.2)  # head room for the legend
+        ax.set_xticks(np.arange(len(cats)), cats, rotation=20, ha="right")
+        ax.set_ylabel(f"speedup over {baseline}")
+        ax.set_title(f"{pair} · {dataset}")
+        ax.legend(ncol=min(len(labs), 4), frameon=False)
+    return fig
+
+
+def latency_vs_quality(df: pd.DataFrame, runs: list[dict], baseline: str = "ar"):
+    """Per quality metric: milliseconds per token (x) against mean quality (y), one point per method setting."""
+    qcols = [c for c in df.columns if c.startswith("q_") and df[c].notna().any()]
+    if not qcols:
+        return "no record has a quality score"
+    table = study.summary_table(df)
+    fig, axes = plt.subplots(1, len(qcols), figsize=(SINGLE * len(qcols), 2.4), squeeze=False)
+    col = colors(table["label"])
+    for ax, q in zip(axes[0], qcols):
+        t = table[table[q].notna()]
+        for _, r in t.iterrows():
+            ax.scatter(r["ms_per_token"], r[q], color=col[r["label"]], s=18, zorder=3)
+            ax.annotate(r["label"], (r["ms_per_token"], r[q]), fontsize=6, xytext=(3, 2), textcoords="offset points")
+        ax.set_xlabel("latency (ms per token, median)")
+        ax.set_ylabel(q[2:])
+    return fig
+
+
+def threshold_tradeoff(df: pd.DataFrame, runs: list[dict], baseline: str = "ar"):
+    """Methods with a ``threshold`` setting (SPRINTER's verifier threshold): speedup and quality against it."""
+    has = df["method_cfg"].map(lambda c: isinstance(c, dict) and c.get("threshold") is not None)
+    sub = df[has & (df["method"] != baseline)].assign(threshold=lambda d: d["method_cfg"].map(lambda c: float(c["threshold"])))
+    if sub.empty:
+        return "no method with a threshold setting (method.threshold)"
+    fig, ax = plt.subplots(figsize=(SINGLE, 2.4))
+    qcols = [c for c in sub.columns if c.startswith("q_") and sub[c].notna().any()]
+    ax2 = ax.twinx() if qcols else None  # quality on its own axis, right
+    for method, g in sub.groupby("method"):
+        pts = g.groupby("threshold").agg(speedup=("speedup", "median"), **({"quality": (qcols[0], "mean")} if qcols else {}))
+        ax.plot(pts.index, pts["speedup"], "o-", ms=3, label=f"{method}: speedup")
+        if ax2 is not None:
+            ax2.plot(pts.index, pts["quality"], "s--", ms=3, color="tab:red", label=f"{method}: {qcols[0][2:]} (right)")
+    if ax2 is not None:
+        ax2.set_ylabel(qcols[0][2:], color="tab:red")
+        ax2.spines["right"].set_visible(True)
+        ax2.grid(False)
+    handles = [h for a in (ax, ax2) if a is not None for h in a.get_legend_handles_labels()[0]]
+    ax.legend(handles, [h.get_label() for h in handles], frameon=False, loc="best")
+    ax.set_xlabel("threshold")
+    ax.set_ylabel(f"speedup over {baseline} (median)")
+    return fig
+
+
+def accepted_histogram(df: pd.DataFrame, runs: list[dict], baseline: str = "ar"):
+    """Distribution of tokens committed per target call (after prefill), per drafting method."""
+    drafting = df[df["drafted"].map(lambda d: isinstance(d, list) and any(d))] if "drafted" in df else df.iloc[:0]
+    if drafting.empty:
+        return "no method drafted tokens"
+    fig, ax = plt.subplots(figsize=(SINGLE, 2.2))
+    col = colors(drafting["label"])
+    labs = sorted(drafting["label"].unique())
+    top = max(a for lst in drafting["accept_lengths"] for a in lst)
+    width = 0.8 / len(labs)
+    for j, lab in enumerate(labs):
+        acc = np.array([a for lst in drafting[drafting["label"] == lab]["accept_lengths"] for a in lst])
+        share = np.bincount(acc, minlength=top + 1)[1:] / max(len(acc), 1)
+        ax.bar(np.arange(1, top + 1) + (j - (len(labs) - 1) / 2) * width, share, width, label=lab, color=col[lab])
+    ax.set_xlabel("tokens committed per target call")
+    ax.set_ylabel("share of target calls")
+    ax.legend(frameon=False)
+    return fig
+
+
+def measured_vs_analytic(df: pd.DataFrame, runs: list[dict], baseline: str = "ar"):
+    """Measured median speedup against Leviathan et al.'s analytic one (run.json summaries)."""
+    pts = [(r.get("speedup"), r.get("analytic_speedup"), r.get("method"))
+           for run in runs for r in (run.get("summary") or [])
+           if r.get("method") != baseline and _finite(r.get("speedup")) and _finite(r.get("analytic_speedup"))]
+    if not pts:
+        return "no run summary has both a measured and an analytic speedup"
+    fig, ax = plt.subplots(figsize=(SINGLE, SINGLE))
+    col = colors(p[2] for p in pts)
+    for s, a, m in pts:
+        ax.scatter(a, s, color=col[m], s=14, zorder=3, label=m)
+    lim = [0, max(max(s, a) for s, a, _ in pts) * 1.1]
+    ax.plot(lim, lim, color="black", lw=0.6, ls="--")
+    ax.set_xlim(lim)
+    ax.set_ylim(lim)
+    ax.set_xlabel("analytic speedup (Leviathan et al., Thm 3.8)")
+    ax.set_ylabel("measured speedup (median)")
+    handles, labs = ax.get_legend_handles_labels()
+    uniq = dict(zip(labs, handles))
+    ax.legend(uniq.values(), uniq.keys(), frameon=False)
+    return fig
+
+
+def flops_vs_latency(df: pd.DataFrame, runs: list[dict], baseline: str = "ar"):
+    """Analytic forward FLOPs per token against measured milliseconds per token, per method setting."""
+    table = study.summary_table(df)
+    t = table[table["gflops_per_token"].notna() & table["ms_per_token"].notna()]
+    if t.empty:
+        return "no records with FLOPs and timings"
+    fig, ax = plt.subplots(figsize=(SINGLE, 2.4))
+    col = colors(t["label"])
+    for _, r in t.iterrows():
+        ax.scatter(r["gflops_per_token"], r["ms_per_token"], color=col[r["label"]], s=18, zorder=3)
+        ax.annotate(f"{r['label']} · {r['dataset']}", (r["gflops_per_token"], r["ms_per_token"]), fontsize=6,
+                    xytext=(3, 2), textcoords="offset points")
+    ax.set_xlabel("GFLOPs per token (all models)")
+    ax.set_ylabel("ms per token (median)")
+    return fig
+
+
+FIGURES = {
+    "speedup_by_category": speedup_by_category,
+    "latency_vs_quality": latency_vs_quality,
+    "threshold_tradeoff": threshold_tradeoff,
+    "accepted_histogram": accepted_histogram,
+    "measured_vs_analytic": measured_vs_analytic,
+    "flops_vs_latency": flops_vs_latency,
+}
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def make_figures(df: pd.DataFrame, runs: list[dict], out_dir: Path, baseline: str = "ar") -> dict:
+    """Draw every figure whose data is present into ``out_dir`` as ``<name>.pdf`` and ``<name>.png``.
+    Returns ``{name: png path}`` for those drawn and ``{name: reason}`` in ``skipped``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    drawn, skipped = {}, {}
+    with plt.rc_context(STYLE):
+        for name, fn in FIGURES.items():
+            fig = fn(df, runs, baseline)
+            if isinstance(fig, str):
+                skipped[name] = fig
+                log.info("figure %s skipped: %s", name, fig)
+                continue
+            for ext in ("pdf", "png"):
+                fig.savefig(out_dir / f"{name}.{ext}")
+            plt.close(fig)
+            drawn[name] = out_dir / f"{name}.png"
+    return {"drawn": drawn, "skipped": skipped}
