@@ -1,0 +1,270 @@
+"""Draft heads on the target's last hidden state: Medusa (Cai et al. 2024) and Hydra (Ankner et al. 2024).
+
+Head k (k = 0 .. K-1) reads the target's last (normed) hidden state h_t at position t and proposes the
+token k + 1 steps after the target's own next token, i.e. x_{t+k+2}:
+
+- Medusa: ``proj_k(h + SiLU(W_k h))``, the heads independent of each other.
+- Hydra: ``proj_k(h + SiLU(W_k [h; e(x_{t+1}); ...; e(x_{t+k+1})]))``: head k also reads the target's input
+  embeddings of the k + 1 tokens already chosen along the candidate path (sequentially dependent heads).
+
+Every ``W_k`` starts at zero and every ``proj_k`` from the target's output head (rows of a reduced
+vocabulary, as in :mod:`bench.distill`), so an untrained head already proposes the target's own next-token
+guess. Candidates outside the reduced vocabulary are never proposed; the target verifies every candidate,
+so decoding stays lossless.
+
+Training is self-distillation with the target frozen and teacher-forced on packaged text: the label of
+head k at position t is the target's own next-token distribution at position t + k + 1 -- its greedy token
+(``loss: top1``) or its top-k distribution (``loss: teacher``, Hydra++'s teacher distillation).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from tqdm.auto import tqdm
+
+from bench.corpus import corpus
+from bench.counting import CountedModule
+from bench.distill import pick_vocab, target_identity, token_chunks
+from bench.errors import BenchError
+from bench.models import atomic_dir, recipe_key
+
+log = logging.getLogger(__name__)
+
+KINDS = ("medusa", "hydra")
+LOSSES = ("top1", "teacher")
+
+
+class ResBlock(nn.Module):
+    """``x + SiLU(W x')`` where ``x'`` is ``x`` or ``x`` with extra features concatenated; ``W`` starts at 0."""
+
+    def __init__(self, hidden: int, in_features: int | None = None):
+        super().__init__()
+        self.linear = nn.Linear(in_features or hidden, hidden)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x if features is None else features))
+
+
+class Heads(nn.Module):
+    """K draft heads over a reduced vocabulary ``vocab_map`` (``LongTensor (V',)`` of full-vocabulary ids)."""
+
+    def __init__(self, kind: str, hidden: int, num_heads: int, vocab_map: torch.Tensor):
+        super().__init__()
+        self.kind = kind
+        self.num_heads = num_heads
+        # Hydra head k reads h and the k + 1 path embeddings: (k + 2) * hidden input features.
+        width = [hidden if kind == "medusa" else (k + 2) * hidden for k in range(num_heads)]
+        self.blocks = nn.ModuleList(ResBlock(hidden, w) for w in width)
+        self.proj = nn.ModuleList(nn.Linear(hidden, vocab_map.numel(), bias=False) for _ in range(num_heads))
+        self.register_buffer("vocab_map", vocab_map.long(), persistent=True)
+
+    def head(self, k: int, hidden: torch.Tensor, path_emb: torch.Tensor | None = None) -> torch.Tensor:
+        """Head k's logits over the reduced vocabulary.
+
+        Args:
+            hidden: ``(..., hidden)`` target hidden states.
+            path_emb: Hydra only: ``(..., k + 1, hidden)`` input embeddings of the tokens after ``hidden``'s
+                position along the candidate path (the target's next token first).
+        Returns:
+            ``(..., V')``.
+        """
+        if self.kind == "medusa":
+            return self.proj[k](self.blocks[k](hidden))
+        features = torch.cat([hidden, path_emb.flatten(-2)], dim=-1)
+        return self.proj[k](self.blocks[k](hidden, features))
+
+    def forward(self, hidden: torch.Tensor, path_emb: torch.Tensor | None = None) -> torch.Tensor:
+        """Medusa: all heads, ``(..., hidden)`` -> ``(..., K, V')``. Hydra: the head that ``path_emb``'s length
+        ``k + 1`` selects, ``(..., hidden), (..., k + 1, hidden)`` -> ``(..., V')``."""
+        if self.kind == "medusa":
+            return torch.stack([self.head(k, hidden) for k in range(self.num_heads)], dim=-2)
+        return self.head(path_emb.shape[-2] - 1, hidden, path_emb)
+
+    def head_weights(self, k: int) -> int:
+        """Matmul weights of head k alone (for FLOPs)."""
+        return self.blocks[k].linear.weight.numel() + self.proj[k].weight.numel()
+
+
+class CountedHeads(CountedModule):
+    """The ``heads`` role. A Medusa call runs every head; a Hydra call runs one head, so it is counted as
+    that head's weights only (2 FLOPs per weight per row, as in :mod:`bench.flops`)."""
+
+    def __call__(self, hidden: torch.Tensor, path_emb: torch.Tensor | None = None):
+        if self.module.kind == "medusa":
+            return super().__call__(hidden)
+        rows = hidden.shape[:-1].numel()
+        self.calls += 1
+        self.tokens += rows
+        self.flops += 2.0 * self.module.head_weights(path_emb.shape[-2] - 1) * rows
+        return self.module(hidden, path_emb)
+
+
+# --------------------------------------------------------------------------------------------- training
+
+
+@torch.no_grad()
+def teacher_pass(target, chunks: torch.Tensor, topk: int, batch_size: int, desc: str):
+    """Teacher-forced target outputs at every position of ``chunks (N, T)``.
+
+    Returns ``(hidden, idx, prob)``: last hidden states ``(N, T, hidden)`` and the target's top-k next-token
+    ids and probabilities ``(N, T, topk)`` (``idx[..., 0]`` is its greedy token).
+    """
+    hidden, idx, prob = [], [], []
+    for start in tqdm(range(0, len(chunks), batch_size), desc=desc, unit="batch"):
+        out = target(chunks[start : start + batch_size], output_hidden_states=True)
+        p, i = torch.softmax(out.logits.float(), -1).topk(topk, dim=-1)
+        hidden.append(out.hidden_states[-1].float())
+        idx.append(i)
+        prob.append(p)
+    return torch.cat(hidden), torch.cat(idx), torch.cat(prob)
+
+
+def head_logits(heads: Heads, k: int, hidden: torch.Tensor, chunks: torch.Tensor, embed) -> torch.Tensor:
+    """Head k at every position t that has a label (t + k + 1 < T): ``(B, T - k - 1, V')``."""
+    T = hidden.shape[1]
+    h = hidden[:, : T - k - 1]
+    if heads.kind == "medusa":
+        return heads.head(k, h)
+    # Teacher forcing: the path tokens after position t are the text's own x_{t+1} .. x_{t+k+1}.
+    emb = torch.stack([embed(chunks[:, 1 + j : T - k + j]) for j in range(k + 1)], dim=-2)
+    return heads.head(k, h, emb)
+
+
+def heads_loss(heads: Heads, hidden, chunks, idx, prob, to_sub, loss: str, embed, decay: float) -> torch.Tensor:
+    """Sum over heads of ``decay**k`` times head k's cross-entropy against the target at position t + k + 1,
+    restricted to the reduced vocabulary (labels outside it are dropped / renormalised away)."""
+    total = hidden.new_zeros(())
+    for k in range(heads.num_heads):
+        logq = torch.log_softmax(head_logits(heads, k, hidden, chunks, embed).float(), -1)
+        sub = to_sub[idx[:, k + 1 :]]  # (B, T-k-1, topk); -1 outside the reduced vocabulary
+        if loss == "top1":
+            label = sub[..., 0]
+            keep = label >= 0
+            ce = -logq.gather(-1, label.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+            term = (ce * keep).sum() / keep.sum().clamp_min(1)
+        else:
+            w = prob[:, k + 1 :] * (sub >= 0)
+            w = w / w.sum(-1, keepdim=True).clamp_min(1e-9)
+            term = -(w * logq.gather(-1, sub.clamp_min(0))).sum(-1).mean()
+        total = total + decay**k * term
+    return total
+
+
+@torch.no_grad()
+def head_agreement(heads: Heads, hidden, chunks, top1, embed, batch_size: int) -> list[float]:
+    """Per head: fraction of held-out positions where head k's greedy token equals the target's greedy token
+    k + 1 steps after its next one (teacher-forced: the acceptance rate of a depth-(k+1) chain node whose
+    ancestors were accepted)."""
+    rates = []
+    for k in range(heads.num_heads):
+        hits = total = 0
+        for s in range(0, len(chunks), batch_size):
+            b = slice(s, s + batch_size)
+            pred = heads.vocab_map[head_logits(heads, k, hidden[b], chunks[b], embed).argmax(-1)]
+            hits += (pred == top1[b, k + 1 :]).sum().item()
+            total += pred.numel()
+        rates.append(round(hits / max(total, 1), 4))
+    return rates
+
+
+def train_heads(target, tokenizer, kind: str, recipe: DictConfig) -> tuple[Heads, dict]:
+    """Train K heads of ``kind`` on the frozen target (fp32, CPU or wherever it lives); returns them and a report."""
+    torch.manual_seed(int(recipe.seed))
+    if next(target.parameters()).dtype != torch.float32:
+        target = copy.deepcopy(target).float()  # train in fp32 without changing the pair's target
+    target = target.eval()
+    device = next(target.parameters()).device
+    embed = target.get_input_embeddings()
+    K, bs = int(recipe.num_heads), int(recipe.batch_size)
+    train = token_chunks(tokenizer, corpus(recipe.corpus, "train"), recipe.seq_len, recipe.max_tokens).to(device)
+    held = token_chunks(tokenizer, corpus(recipe.corpus, "test"), recipe.seq_len, recipe.eval_tokens).to(device)
+    if recipe.seq_len <= K + 1:
+        raise BenchError(f"recipe.seq_len ({recipe.seq_len}) must exceed num_heads + 1 ({K + 1}).")
+    topk = int(recipe.topk) if recipe.loss == "teacher" else 1
+    hidden, idx, prob = teacher_pass(target, train, topk, bs, f"{kind}: target labels")
+    held_hidden, held_idx, _ = teacher_pass(target, held, 1, bs, f"{kind}: held-out labels")
+    vocab_map = pick_vocab(tokenizer, train.cpu(), idx[..., 0].cpu(), min(int(recipe.vocab), target.config.vocab_size))
+    to_sub = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
+    to_sub[vocab_map] = torch.arange(vocab_map.numel())
+    to_sub = to_sub.to(device)
+
+    heads = Heads(kind, target.config.hidden_size, K, vocab_map).to(device)
+    for proj in heads.proj:
+        proj.weight.data.copy_(target.get_output_embeddings().weight.data[vocab_map.to(device)])
+    report = {"agreement_before": head_agreement(heads, held_hidden, held, held_idx[..., 0], embed, bs)}
+    params = [p for p in heads.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=float(recipe.lr), weight_decay=0.0)
+    steps = int(recipe.epochs) * math.ceil(len(train) / bs)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=float(recipe.lr), total_steps=steps, pct_start=0.1)
+    heads.train()
+    bar = tqdm(total=steps, desc=f"{kind}: training {K} heads", unit="step")
+    for _ in range(int(recipe.epochs)):
+        for b in torch.randperm(len(train)).split(bs):
+            loss = heads_loss(heads, hidden[b], train[b], idx[b], prob[b], to_sub, recipe.loss, embed, float(recipe.decay))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            bar.update()
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    bar.close()
+    heads.eval()
+    report.update(
+        # Per head k: P(head k's top-1 == the target's greedy token k + 1 steps after its next one), held out.
+        agreement_after=head_agreement(heads, held_hidden, held, held_idx[..., 0], embed, bs),
+        train_tokens=train.numel(),
+        heldout_tokens=held.numel(),
+        vocab=int(vocab_map.numel()),
+        vocab_coverage=round(float((to_sub[held_idx[..., 0]] >= 0).float().mean()), 4),
+    )
+    return heads.cpu(), report
+
+
+# --------------------------------------------------------------------------------------------- caching
+
+
+def heads_dir(target, kind: str, recipe: DictConfig, cache: Path) -> Path:
+    """The cache folder for (target, kind, recipe). The weight checksum is taken after rounding to bf16, so
+    heads trained on the fp32 CPU target are found again when the target runs in bf16 on a GPU."""
+    emb = target.get_input_embeddings().weight.detach()[:64]
+    ident = {**target_identity(target), "checksum": round(float(emb.bfloat16().double().sum()), 4)}
+    return cache / "heads" / f"{kind}-{ident['name']}-{recipe_key(ident, kind, recipe)}"
+
+
+def load_or_train_heads(target, tokenizer, kind: str, recipe: DictConfig, cache: Path,
+                        train_if_missing: bool = True) -> tuple[Heads, dict]:
+    """The cached heads for (target, kind, recipe), trained first when missing and ``train_if_missing``.
+
+    Returns the heads (on the CPU, fp32) and their training report.
+    """
+    folder = heads_dir(target, kind, recipe, cache)
+    if not (folder / "heads.pt").is_file():
+        if not train_if_missing:
+            raise BenchError(f"no trained {kind} heads cached at {folder}; run 'python -m bench train heads method={kind}'.")
+        heads, report = train_heads(target, tokenizer, kind, recipe)
+        with atomic_dir(folder) as tmp:
+            blob = {"kind": kind, "hidden": heads.blocks[0].linear.out_features, "num_heads": heads.num_heads,
+                    "state": heads.state_dict()}
+            torch.save(blob, tmp / "heads.pt")
+            meta = {"kind": kind, "recipe": OmegaConf.to_container(recipe, resolve=True), "report": report}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        log.info("%s heads cached at %s: %s", kind, folder, report)
+    try:
+        blob = torch.load(folder / "heads.pt", map_location="cpu", weights_only=True)
+        heads = Heads(blob["kind"], blob["hidden"], blob["num_heads"], blob["state"]["vocab_map"])
+        heads.load_state_dict(blob["state"])
+        report = json.loads((folder / "meta.json").read_text())["report"]
+    except Exception as err:  # noqa: BLE001 - any unreadable file is the same problem for the user
+        raise BenchError(f"the cached {kind} heads at {folder} are corrupt ({type(err).__name__}); delete that folder to retrain them.") from None
+    return heads.eval(), report

@@ -1,0 +1,56 @@
+"""Hydra (Ankner et al. 2024, "Hydra: Sequentially-Dependent Draft Heads for Medusa Decoding"): head k also
+reads the input embeddings of the tokens already chosen along the candidate path, so the tree is filled
+depth by depth, each head run once per parent node; verified in one target forward like Medusa
+(:mod:`methods._tree_heads`, :mod:`bench.tree`).
+
+Hydra++ (``method=hydra_pp``): the same heads trained with the teacher-distillation loss (the target's
+top-k distribution instead of its greedy token; :mod:`bench.heads`). Its extra prefix attention layer is
+not implemented.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from bench.registry import register
+from bench.tree import Tree
+from methods._tree_heads import TreeHeadsMethod
+
+
+@lru_cache(maxsize=64)
+def expansion_plan(tree: Tree) -> list[tuple[list[int], torch.Tensor, list[int], list[tuple[int, int]]]]:
+    """Per depth d = 1 .. depth: ``(parents, parent_paths (P, d), nodes, [(parent row, rank) per node])``;
+    ``parent_paths`` holds the node indices from the root to each parent (whose tokens head d-1 reads)."""
+    plan = []
+    for d in range(1, tree.max_depth + 1):
+        nodes = [i for i, p in enumerate(tree.paths) if len(p) == d]
+        parents = sorted({tree.parent[i] for i in nodes})
+        paths = torch.tensor([tree.path_to(p) for p in parents])
+        plan.append((parents, paths, nodes, [(parents.index(tree.parent[i]), tree.paths[i][-1]) for i in nodes]))
+    return plan
+
+
+@register("hydra")
+class Hydra(TreeHeadsMethod):
+    kind = "hydra"
+    lossless = True  # greedy; an instance with typical: true sets it False
+
+    def propose(self, hidden, pending, tree: Tree) -> torch.Tensor:
+        tokens = torch.full((len(tree),), pending, dtype=torch.long, device=hidden.device)
+        vocab_map = self.heads.module.vocab_map
+        for parents, paths, nodes, slots in expansion_plan(tree):
+            # Head d-1 reads h and the d tokens from the root to each parent: one batched call per depth.
+            emb = self.embed(tokens[paths.to(hidden.device)]).to(hidden.dtype)  # (P, d, hidden)
+            sub = self.heads(hidden.expand(len(parents), -1), emb)  # (P, V')
+            width = 1 + max(rank for _, rank in slots)
+            top = vocab_map[sub.topk(width, dim=-1).indices]  # (P, width)
+            rows = torch.tensor(slots, device=hidden.device)
+            tokens[torch.tensor(nodes, device=hidden.device)] = top[rows[:, 0], rows[:, 1]]
+        return tokens
+
+
+@register("hydra_pp")
+class HydraPP(Hydra):
+    """Hydra++: Hydra's heads and decoding; only the training recipe differs (configs/method/hydra_pp.yaml)."""
