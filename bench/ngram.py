@@ -65,7 +65,7 @@ class NGramIndex:
                       max_n: int | None = None, min_n: int | None = None) -> list[list[int]]:
         """Up to ``limit`` distinct non-empty continuations (each at most ``length`` tokens) of the tail of
         ``context``: the longest matching n-gram first, its most recent occurrence first; a continuation
-        that is a prefix of one already found adds nothing and is skipped."""
+        that is a prefix of one already found adds nothing and is skipped (and replaces one it extends)."""
         max_n = min(self.max_n if max_n is None else max_n, len(context))
         min_n = max(self.min_n if min_n is None else min_n, 1)
         found: list[list[int]] = []
@@ -78,11 +78,22 @@ class NGramIndex:
                 cont = self.tokens[pos:pos + length]
                 if _SEP in cont:
                     cont = cont[: cont.index(_SEP)]
-                if cont and not any(f[: len(cont)] == cont for f in found):
-                    found.append(cont)
-                    if len(found) >= limit:
-                        return found
+                if _add_candidate(found, cont) and len(found) >= limit:
+                    return found
         return found
+
+
+def _add_candidate(found: list[list[int]], cont: list[int]) -> bool:
+    """Add ``cont`` to ``found`` unless it adds nothing (empty, or a prefix of a candidate already there);
+    a candidate it extends is replaced by it. True when ``found`` grew."""
+    if not cont or any(f[: len(cont)] == cont for f in found):
+        return False
+    for i, f in enumerate(found):
+        if cont[: len(f)] == f:
+            found[i] = cont
+            return False
+    found.append(cont)
+    return True
 
 
 class CorpusNGrams:
@@ -98,10 +109,8 @@ class CorpusNGrams:
         for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
             for cont in self.table.get(tuple(context[-n:]), ()):
                 cont = cont[:length]
-                if cont and not any(f[: len(cont)] == cont for f in found):
-                    found.append(cont)
-                    if len(found) >= limit:
-                        return found
+                if _add_candidate(found, cont) and len(found) >= limit:
+                    return found
         return found
 
     @classmethod
@@ -111,7 +120,8 @@ class CorpusNGrams:
         for n in range(min_n, max_n + 1):
             places: dict[tuple[int, ...], list[tuple[int, int]]] = defaultdict(list)
             for d, doc in enumerate(docs):
-                for end in range(n, len(doc)):  # an n-gram at the very end has nothing after it
+                # Only places followed by a whole continuation: a cut-short one would count as a different one.
+                for end in range(n, len(doc) - length + 1):
                     places[tuple(doc[end - n:end])].append((d, end))
             for key, where in places.items():
                 counts = Counter(tuple(docs[d][end:end + length]) for d, end in where)
