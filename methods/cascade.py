@@ -116,7 +116,7 @@ class Cascade(Method):
         shape_ok = bool(rows) and all(len(r) == len(rows) - i for i, r in enumerate(rows))
         if not shape_ok:
             raise BenchError(f"method.k_matrix must be a triangle of rows (one per reviewing level, row i with one "
-                             f"count per level below it, e.g. [[4, 1], [2]]), got {k}.")
+                             f"count per level below it, e.g. [[4, 1], [3]]), got {k}.")
         if not all(isinstance(x, int) and x >= 0 for r in rows for x in r):
             raise BenchError(f"method.k_matrix entries must be whole numbers >= 0, got {k}.")
 
@@ -125,9 +125,8 @@ class Cascade(Method):
         target = self.pair.target
         self.bigram = load_bigram_table(self.pair.tokenizer, target.module.config.vocab_size, self.cfg.corpus,
                                         self.pair.cache)
+        _ = self.pair.draft  # a pair without a draft model raises its one-sentence error here
         n_levels = 1 + len(self.pair.drafts[:2]) + 1
-        if not self.pair.drafts:
-            self.pair.draft  # raises the pair's one-sentence error: this method needs a draft model
         k = self.cfg.get("k_matrix")
         self.k = [list(r) for r in k] if k is not None else DEFAULT_K[n_levels]
         if len(self.k) != n_levels - 1:

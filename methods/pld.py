@@ -46,8 +46,10 @@ class PLD(Method):
         if int(cfg.draft_len) < 1:
             raise BenchError(f"method.draft_len must be at least 1, got {cfg.draft_len}.")
 
-    def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> Decoded:
+    def setup(self, train_if_missing: bool = True) -> None:
         self.check(self.cfg)
+
+    def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> Decoded:
         target, device = self.pair.target, prompt_ids.device
         draft_len = int(self.cfg.draft_len)
         cache = DynamicCache()
