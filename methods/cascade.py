@@ -1,0 +1,244 @@
+"""Cascade speculative drafting (CS Drafting; Chen et al. 2023, "Cascade Speculative Drafting for Even
+Faster LLM Inference").
+
+Levels, most expensive first: the target (level 0), the draft model, the pair's second draft when it has
+one, and at the bottom a statistical drafter that costs no forward pass (the longest n-gram of the current
+text matched earlier in it, else a chain through a bigram table of packaged text).
+
+- Vertical cascade: a model level does not decode token by token; it runs speculative decoding itself,
+  reviewing proposals made by the levels below it.
+- Horizontal cascade: a proposal reviewed by level i is made of ``k_matrix[i][0]`` tokens from level i+1,
+  then ``k_matrix[i][1]`` from level i+2, ... : later positions, less likely to survive, come from cheaper
+  drafters. A model level asked for n tokens reviews proposals of at most n - 1 tokens, since each of its
+  reviews adds one token of its own (so the proposal is cut where its row asks for more).
+
+The target's review is :func:`bench.verify.verify_chain` (strict, lossless). Inner reviews only shape the
+draft, so greedily they may be lenient (``lenience`` > 1: a token passes when it is among the reviewer's
+top ``lenience``). When sampling, inner reviews are strict rejection sampling, so every token a model level
+emits is distributed as that model's own next-token distribution q, which the target's exact test needs
+(statistical tokens are deterministic: one-hot q). Either way greedy output equals ``ar``.
+
+KV caches are never recomputed: each model level keeps the tokens its cache holds and, before scoring, is
+cropped to the longest common prefix with the text it is asked about.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from bench.counting import truncate_cache
+from bench.errors import BenchError
+from bench.metrics import ratio
+from bench.ngram import NGramIndex, load_bigram_table
+from bench.registry import register
+from bench.sampling import next_token, probs_from_logits
+from bench.verify import verify_chain
+from methods.base import Decoded, Method
+from methods.pld import check_ngram_settings
+
+# Default k-matrices by the number of levels (target, drafts..., statistical): row i lists how many tokens
+# each lower level contributes to one proposal that level i reviews. A level asked for n tokens reviews
+# proposals of at most n - 1 (its own review adds a token), so each row sums to at most the count asked of
+# that level from above, minus one.
+DEFAULT_K = {
+    3: [[4, 1], [3]],  # target <- 4 draft + 1 stat; draft <- 3 stat
+    4: [[4, 2, 1], [2, 1], [1]],  # target <- 4 draft + 2 draft2 + 1 stat; draft <- 2 draft2 + 1 stat; draft2 <- 1 stat
+}
+_CORPORA = ("lee", "wiki", "lee+wiki")
+
+
+class ModelLevel:
+    """A causal LM with its own KV cache and the token ids that cache holds."""
+
+    def __init__(self, lm, name: str):
+        self.lm, self.name = lm, name
+        self.cache = DynamicCache()
+        self.toks: list[int] = []
+
+    def score(self, ctx: list[int], proposal: list[int], device) -> torch.Tensor:
+        """Next-token logits after ``ctx`` and after each proposed token: ``FloatTensor (len(proposal) + 1, vocab)``.
+
+        Only what the cache lacks is fed: the cache is first cropped to its common prefix with ``ctx`` (what
+        an earlier review rejected goes), keeping at least the last context token to score from.
+        """
+        keep = 0
+        for a, b in zip(self.toks, ctx):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(ctx) - 1)
+        truncate_cache(self.cache, keep)
+        feed = ctx[keep:] + proposal
+        rows = len(proposal) + 1
+        logits = self.lm(torch.tensor([feed], device=device), self.cache, logits_to_keep=rows).logits[0, -rows:]
+        self.toks = ctx + proposal
+        return logits
+
+
+class StatLevel:
+    """The free bottom drafter: a continuation of the longest n-gram match in the committed text, topped
+    up by a bigram chain from packaged text."""
+
+    name = "stat"
+
+    def __init__(self, index: NGramIndex, bigram):
+        self.index, self.bigram = index, bigram
+        self.lookups = self.context_hits = 0
+
+    def draft(self, ctx: list[int], n: int) -> list[int]:
+        found = self.index.continuations(ctx, n)
+        self.lookups += 1
+        self.context_hits += bool(found)
+        tokens = found[0] if found else []
+        return tokens + self.bigram.chain(tokens[-1] if tokens else ctx[-1], n - len(tokens))
+
+
+@register("cascade")
+class Cascade(Method):
+    lossless = True
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        check_ngram_settings(cfg)
+        if int(cfg.lenience) < 1:
+            raise BenchError(f"method.lenience must be at least 1 (1 = strict inner reviews), got {cfg.lenience}.")
+        if cfg.corpus not in _CORPORA:
+            raise BenchError(f"method.corpus '{cfg.corpus}' is not a packaged corpus; use {', '.join(_CORPORA)}.")
+        k = cfg.get("k_matrix")
+        if k is None:
+            return
+        try:
+            rows = [list(r) for r in k]
+        except TypeError:  # a number where a row (or the matrix) should be
+            rows = []
+        shape_ok = bool(rows) and all(len(r) == len(rows) - i for i, r in enumerate(rows))
+        if not shape_ok:
+            raise BenchError(f"method.k_matrix must be a triangle of rows (one per reviewing level, row i with one "
+                             f"count per level below it, e.g. [[4, 1], [3]]), got {k}.")
+        if not all(isinstance(x, int) and x >= 0 for r in rows for x in r):
+            raise BenchError(f"method.k_matrix entries must be whole numbers >= 0, got {k}.")
+
+    def setup(self, train_if_missing: bool = True) -> None:
+        self.check(self.cfg)
+        target = self.pair.target
+        self.bigram = load_bigram_table(self.pair.tokenizer, target.module.config.vocab_size, self.cfg.corpus,
+                                        self.pair.cache)
+        _ = self.pair.draft  # a pair without a draft model raises its one-sentence error here
+        n_levels = 1 + len(self.pair.drafts[:2]) + 1
+        k = self.cfg.get("k_matrix")
+        self.k = [list(r) for r in k] if k is not None else DEFAULT_K[n_levels]
+        if len(self.k) != n_levels - 1:
+            raise BenchError(f"method.k_matrix has {len(self.k)} rows but pair '{self.pair.name}' gives "
+                             f"{n_levels - 1} reviewing levels (target and {len(self.pair.drafts[:2])} draft(s)).")
+
+    # --------------------------------------------------------------------------------------- the cascade
+
+    def propose(self, i: int, ctx: list[int], limit: int):
+        """The proposal level ``i`` reviews after ``ctx``: at most ``limit`` tokens, ``k[i][0]`` from level
+        i+1, then ``k[i][1]`` from level i+2, ... Returns ``(tokens, q_rows, sources)``: ``q_rows`` holds one
+        ``FloatTensor (vocab,)`` per token when sampling (``None`` for a deterministic statistical token),
+        ``sources`` the level each token came from."""
+        tokens, q_rows, sources = [], [], []
+        for j, count in enumerate(self.k[i], start=i + 1):
+            count = min(count, limit - len(tokens))
+            if count <= 0:
+                continue
+            new, q = self.generate(j, ctx + tokens, count)
+            tokens += new
+            q_rows += q
+            sources += [j] * len(new)
+        return tokens, q_rows, sources
+
+    def generate(self, j: int, ctx: list[int], n: int):
+        """``n`` tokens from level ``j`` after ``ctx`` (speculative decoding at model levels) and their q rows."""
+        level = self.levels[j]
+        if isinstance(level, StatLevel):
+            return level.draft(ctx, n), [None] * n
+        gen, q_rows = [], []
+        while len(gen) < n:
+            # A review yields up to len(proposal) + 1 tokens: propose one fewer than still needed.
+            prop, pq, src = self.propose(j, ctx + gen, n - len(gen) - 1)
+            logits = level.score(ctx + gen, prop, self.device)
+            acc, nxt = self.review(logits, prop, pq, self.inner_lenience)
+            self.tally(j, src, acc)
+            gen += prop[:acc] + [nxt]
+            if not self.sampling.greedy:
+                # Each emitted token is distributed as this level's own next-token distribution.
+                q_rows += list(probs_from_logits(logits[: acc + 1], self.sampling))
+        return gen, q_rows
+
+    def review(self, logits, prop: list[int], q_rows: list, lenience: int) -> tuple[int, int]:
+        """Accepted count and next token; strict is the shared verifier, lenient (greedy inner) uses top-k."""
+        tokens = torch.tensor(prop, dtype=torch.long, device=logits.device)
+        if lenience > 1:
+            top = logits[: len(prop)].topk(lenience, dim=-1).indices  # (k, lenience)
+            ok = (top == tokens[:, None]).any(-1)
+            bad = (~ok).nonzero()
+            acc = int(bad[0]) if bad.numel() else len(prop)
+            return acc, int(logits[acc].argmax())
+        q = None
+        if not self.sampling.greedy:
+            vocab = logits.shape[-1]
+            rows = [r if r is not None else F.one_hot(tokens[i], vocab).float() for i, r in enumerate(q_rows)]
+            q = torch.stack(rows).to(logits.device) if rows else logits.new_zeros((0, vocab))
+        return verify_chain(tokens, q, logits, self.sampling, self.generator)
+
+    def tally(self, reviewer: int, sources: list[int], accepted: int) -> None:
+        for pos, j in enumerate(sources):
+            key = f"{self.levels[j].name}>{self.levels[reviewer].name}"
+            stat = self.reviews.setdefault(key, {"proposed": 0, "accepted": 0})
+            stat["proposed"] += 1
+            stat["accepted"] += pos < accepted
+
+    # --------------------------------------------------------------------------------------- decoding
+
+    def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> Decoded:
+        self.device, self.sampling, self.generator = prompt_ids.device, sampling, generator
+        # Lenient inner reviews change what a level emits, so only greedy decoding may use them.
+        self.inner_lenience = int(self.cfg.lenience) if sampling.greedy else 1
+        seq = prompt_ids[0].tolist()
+        index = NGramIndex(int(self.cfg.min_ngram), int(self.cfg.max_ngram))
+        index.add_document(seq)
+        target = ModelLevel(self.pair.target, "target")
+        drafts = [ModelLevel(d, d.role) for d in self.pair.drafts[:2]]
+        self.levels = [target, *drafts, StatLevel(index, self.bigram)]
+        self.reviews: dict[str, dict] = {}
+
+        logits = target.score(seq, [], self.device)  # the prefill
+        first = int(next_token(logits[-1], sampling, generator))
+        out = [first]
+        seq.append(first)
+        index.extend([first])
+        on_tokens(1)
+        out, done = self.finish(out, max_new_tokens)
+        accept_lengths, drafted = [], []
+        while not done:
+            # Never draft past the token budget: the target's own token fills the last slot.
+            prop, pq, src = self.propose(0, seq, max_new_tokens - len(out) - 1)
+            logits = target.score(seq, prop, self.device)
+            n, nxt = self.review(logits, prop, pq, lenience=1)  # the target's review is always strict
+            self.tally(0, src, n)
+            committed = prop[:n] + [nxt]
+            seq.extend(committed)
+            index.extend(committed)
+            out.extend(committed)
+            accept_lengths.append(n + 1)
+            drafted.append(len(prop))
+            before = len(out)
+            out, done = self.finish(out, max_new_tokens)
+            on_tokens(len(committed) - (before - len(out)))
+        for stat in self.reviews.values():
+            stat["accept_rate"] = ratio(stat["accepted"], stat["proposed"])  # proposed tokens the reviewer kept
+        stat_level = self.levels[-1]
+        extra = {
+            "levels": [lv.name for lv in self.levels],
+            "k_matrix": self.k,
+            "reviews": self.reviews,  # "<drafter>><reviewer>": tokens proposed / accepted / rate
+            "stat_lookups": stat_level.lookups,  # statistical drafts asked for
+            "stat_context_hit_rate": ratio(stat_level.context_hits, stat_level.lookups),  # found in the text itself
+            "lenience": self.inner_lenience,
+        }
+        self.levels = []  # the caches belong to this prompt only
+        return Decoded(out, accept_lengths=accept_lengths, drafted=drafted, extra=extra)

@@ -1,0 +1,311 @@
+"""Drafting without training: prompt lookup (`pld`), cascade drafting (`cascade`) and hierarchy drafting
+(`hierarchy`). Each is lossless: greedy output equals `ar` token for token on tiny pairs, under several
+settings; sampled output is distributed as the target's."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from bench.counting import CountedLM
+from bench.errors import BenchError
+from bench.models import Pair
+from bench.ngram import BigramTable, CorpusNGrams, NGramIndex, load_corpus_ngrams
+from bench.registry import get_method
+from bench.sampling import Sampling, probs_from_logits
+from bench.validate import validate
+from tests.helpers import decode, prompts_for
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "method"
+
+
+def method_cfg(name, **overrides):
+    """The method's YAML defaults with ``overrides`` on top."""
+    return OmegaConf.merge(OmegaConf.load(CONFIGS / f"{name}.yaml"), OmegaConf.create(overrides))
+
+
+def build(pair, name, **overrides):
+    method = get_method(name)(method_cfg(name, **overrides), pair)
+    method.setup()
+    return method
+
+
+def run(method, ids, max_new, temperature=0.0, seed=0):
+    gen = torch.Generator(device=method.pair.device).manual_seed(seed)
+    with torch.inference_mode():
+        return method.decode(torch.tensor([ids], device=method.pair.device), max_new, Sampling(temperature, 1.0),
+                             gen, lambda n: None)
+
+
+def with_drafts(pair, *modules):
+    """The tiny pair with other draft models (counted as draft, draft2, ...)."""
+    drafts = [CountedLM(m, "draft" if i == 0 else f"draft{i + 1}") for i, m in enumerate(modules)]
+    return Pair(pair.name, pair.tokenizer, pair.target, drafts, pair.device, pair.dtype, pair.cache, pair.spec)
+
+
+def noisy_copy(module, scale=0.02, seed=0):
+    """The target with noise on its output head: a draft that is often, not always, right."""
+    draft = copy.deepcopy(module)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head = draft.get_output_embeddings().weight
+        head.add_(torch.randn(head.shape, generator=gen) * scale)
+    return draft
+
+
+def repeating_prompt(pair):
+    text = "The quick brown fox jumps over the lazy dog. " * 4 + "The quick brown"
+    return pair.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(tiny_pair):
+    """``ar``'s greedy 40 tokens for three real prompts and a self-repeating one."""
+    prompts = prompts_for(tiny_pair, 3) + [repeating_prompt(tiny_pair)]
+    return [(ids, decode(tiny_pair, "ar", ids, max_new=40).output_ids) for ids in prompts]
+
+
+def assert_equal_to_ar(method, ar_outputs):
+    for ids, ref in ar_outputs:
+        out = run(method, ids, 40)
+        assert out.output_ids == ref
+        assert sum(out.accept_lengths) + 1 == len(out.output_ids)  # the prefill gives the first token
+        assert len(out.drafted) == len(out.accept_lengths)
+        assert all(0 < a <= d + 1 for a, d in zip(out.accept_lengths, out.drafted))
+
+
+# ------------------------------------------------------------------------------------------ shared n-grams
+
+
+def test_ngram_index_longest_match_most_recent_first_within_documents():
+    index = NGramIndex(1, 3)
+    index.add_document([1, 2, 3, 4, 9, 2, 3, 5, 6])
+    assert index.continuations([7, 2, 3], 2) == [[5, 6]]  # the 2-gram (2, 3): its most recent occurrence
+    assert index.continuations([7, 2, 3], 2, limit=3) == [[5, 6], [4, 9]]  # then the older one
+    assert index.continuations([1, 2, 3], 3, limit=1) == [[4, 9, 2]]  # the 3-gram wins over the 2-gram
+    assert index.continuations([8], 2) == []
+    index.add_document([6, 1])
+    assert index.continuations([5, 6], 4, limit=2) == [[1]]  # the (5, 6) match stops at the document end
+    index.extend([8, 8])
+    assert index.continuations([6, 1], 4) == [[8, 8]]  # the last document keeps growing
+    with pytest.raises(BenchError, match="1 <= min <= max"):
+        NGramIndex(3, 2)
+
+
+def test_corpus_tables_count_and_round_trip():
+    docs = [[1, 2, 3, 1, 2, 4, 1, 2, 3], [5, 1, 2, 3]]
+    table = CorpusNGrams.build(docs, 1, 2, length=2, top=2)
+    assert table.continuations([9, 1, 2], 2, limit=2) == [[3, 1], [4, 1]]  # (3, 1) follows (1, 2) most often
+    again = CorpusNGrams.from_tensors(table.to_tensors())
+    assert again.table == table.table
+    bigram = BigramTable.build(docs, vocab_size=10)
+    assert bigram.chain(1, 3) == [2, 3, 1]
+    assert bigram.next[7] == 1  # never seen: the most frequent token
+
+
+def test_corpus_table_is_cached_and_a_corrupt_cache_is_one_clear_error(tiny_pair, tmp_path):
+    load = lambda: load_corpus_ngrams(tiny_pair.tokenizer, "lee", 1, 1, 2, 1, tmp_path)  # noqa: E731
+    first = load()
+    [path] = list(tmp_path.glob("ngram/ngrams-*/table.pt"))
+    assert load().table == first.table
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(BenchError, match="is corrupt"):
+        load()
+
+
+# ------------------------------------------------------------------------------------------ pld
+
+
+@pytest.mark.parametrize("settings", [{}, {"max_ngram": 2, "min_ngram": 2, "draft_len": 4}, {"draft_len": 1}])
+def test_pld_equals_ar_greedy(tiny_pair, ar_outputs, settings):
+    assert_equal_to_ar(build(tiny_pair, "pld", **settings), ar_outputs)
+
+
+def test_pld_takes_several_tokens_per_call_when_the_text_repeats(tiny_pair, ar_outputs):
+    ids, ref = ar_outputs[-1]
+    out = run(build(tiny_pair, "pld"), ids, 40)
+    assert out.output_ids == ref
+    assert out.extra["hit_rate"] > 0.5 and out.extra["accepted"] > 0
+    assert len(out.output_ids) / (len(out.accept_lengths) + 1) > 1.5  # tokens per target call, prefill included
+    assert len(out.accept_lengths) < 26
+
+
+def _second_token_counts(method, ids, temperature, n):
+    """How often each token came second, over ``n`` seeds; the last cell counts decodes that ended first."""
+    vocab = method.pair.target.module.config.vocab_size
+    counts = torch.zeros(vocab + 1)
+    drafted = accepted = 0
+    for seed in range(n):
+        # Three tokens: after the first, the budget leaves room for one drafted token.
+        out = run(method, ids, 3, temperature, seed)
+        counts[out.output_ids[1] if len(out.output_ids) > 1 else vocab] += 1
+        drafted += bool(out.drafted) and out.drafted[0] > 0
+        accepted += bool(out.accept_lengths) and out.accept_lengths[0] > 1
+    return counts, drafted, accepted
+
+
+def _second_token_probs(pair, ids, temperature):
+    """Exact P(second new token) under the target: sum over the first token t of p(t) p(. | t); the last
+    cell is P(the first token is EOS)."""
+    sampling = Sampling(temperature, 1.0)
+    eos = pair.tokenizer.eos_token_id
+    with torch.no_grad():
+        p1 = probs_from_logits(pair.target.module(torch.tensor([ids])).logits[0, -1], sampling)
+        firsts = ((p1 > 1e-9) & (torch.arange(len(p1)) != eos)).nonzero().flatten()
+        batch = torch.cat([torch.tensor([ids]).expand(len(firsts), -1), firsts[:, None]], dim=1)
+        p2 = probs_from_logits(pair.target.module(batch).logits[:, -1], sampling)
+    return torch.cat([(p1[firsts, None] * p2).sum(0), p1[eos].view(1)])
+
+
+@pytest.mark.parametrize("name", ["pld", "hierarchy", "cascade"])
+def test_sampling_is_distributed_as_the_target(tiny_pair, name):
+    """The second new token (one a draft can propose) follows the target's exact marginal."""
+    from scipy.stats import chisquare
+
+    temperature, n = 0.05, 300  # a low temperature makes the random target peaked: the test has power
+    pair = with_drafts(tiny_pair, noisy_copy(tiny_pair.target.module)) if name == "cascade" else tiny_pair
+    # The prompt ends inside the target's own greedy loop, so drafts from the text are often right.
+    ids = repeating_prompt(tiny_pair)
+    ids = ids + decode(tiny_pair, "ar", ids, max_new=30).output_ids
+    method = build(pair, name, **({"k_matrix": [[1, 1], [1]]} if name == "cascade" else {}))
+    counts, drafted, accepted = _second_token_counts(method, ids, temperature, n)
+    # Both paths of the exact test ran many times: drafts accepted, and drafts rejected.
+    assert accepted > n / 20 and drafted - accepted > n / 20
+    expected = _second_token_probs(tiny_pair, ids, temperature) * n
+    assert counts[expected < 1e-6].sum() == 0  # nothing the target (practically) never emits
+    big = expected >= 5  # chi-square needs enough expected counts per cell: the rest is pooled
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    assert big.sum() >= 3
+    assert chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3
+
+
+# ------------------------------------------------------------------------------------------ cascade
+
+
+@pytest.mark.parametrize("settings", [{}, {"k_matrix": [[2, 3], [1]]}, {"lenience": 3}, {"k_matrix": [[0, 0], [0]]}])
+def test_cascade_equals_ar_greedy(tiny_pair, ar_outputs, settings):
+    assert_equal_to_ar(build(tiny_pair, "cascade", **settings), ar_outputs)
+
+
+def test_cascade_with_three_models_and_a_good_draft(tiny_pair, ar_outputs):
+    """target <- draft (the target's own weights: always right) <- draft2 (random) <- statistics."""
+    pair = with_drafts(tiny_pair, tiny_pair.target.module, tiny_pair.draft.module)
+    method = build(pair, "cascade", lenience=2)
+    assert method.k == [[4, 2, 1], [2, 1], [1]]
+    pair.reset_counts()
+    ids, ref = ar_outputs[0]
+    out = run(method, ids, 40)
+    assert out.output_ids == ref
+    reviews = out.extra["reviews"]
+    assert out.extra["levels"] == ["target", "draft", "draft2", "stat"]
+    assert reviews["draft>target"]["accept_rate"] == 1.0  # the draft is the target: all of it stands
+    assert {"draft2>target", "stat>target", "draft2>draft", "stat>draft", "stat>draft2"} <= reviews.keys()
+    calls = pair.counts()
+    assert calls["draft"]["calls"] > 0 and calls["draft2"]["calls"] > 0  # counted per level by role
+    assert calls["target"]["calls"] == len(out.accept_lengths) + 1
+
+
+def test_cascade_sampling_keeps_every_token_of_an_exact_draft(tiny_pair):
+    """When the draft is the target, q = p for draft tokens, so the exact test accepts all of them."""
+    pair = with_drafts(tiny_pair, tiny_pair.target.module)
+    out = run(build(pair, "cascade"), prompts_for(tiny_pair, 1)[0], 30, temperature=0.8, seed=3)
+    assert out.extra["reviews"]["draft>target"]["accept_rate"] == 1.0
+    assert out.extra["lenience"] == 1
+
+
+# ------------------------------------------------------------------------------------------ hierarchy
+
+
+@pytest.mark.parametrize("settings", [
+    {},
+    {"databases": ["context"], "num_candidates": 1},
+    {"databases": ["statistics"], "draft_len": 3},
+    {"databases": ["model", "statistics", "context"], "num_candidates": 3, "draft_len": 1},
+])
+def test_hierarchy_equals_ar_greedy(tiny_pair, ar_outputs, settings):
+    method = build(tiny_pair, "hierarchy", **settings)
+    assert_equal_to_ar(method, ar_outputs)
+    assert_equal_to_ar(method, ar_outputs[::-1])  # again, now with the other prompts' outputs in the model database
+
+
+def test_hierarchy_tree_keeps_the_cache_of_an_accepted_side_branch(tiny_pair):
+    """The target accepts a path through the second candidate; the cache then equals a fresh prefill's."""
+    from transformers import DynamicCache
+
+    from methods.hierarchy import TokenTree, keep_positions
+
+    ids = prompts_for(tiny_pair, 1)[0]
+    g = decode(tiny_pair, "ar", ids, max_new=5).output_ids
+    target = tiny_pair.target
+    cache = DynamicCache()
+    with torch.no_grad():
+        target(torch.tensor([ids]), cache)
+        tree = TokenTree(g[0])
+        tree.add([(g[1] + 1) % 250, g[2], g[3]], "context")  # wrong at once
+        tree.add([g[1], g[2], (g[3] + 1) % 250], "model")  # right for two tokens
+        past = len(ids)
+        logits = target(torch.tensor([tree.tokens]), cache, attention_mask=tree.attention_mask(past, torch.float32, "cpu"),
+                        position_ids=torch.tensor([tree.depth]) + past).logits[0]
+        assert [int(logits[v].argmax()) for v in (0, 4, 5)] == g[1:4]
+        keep_positions(cache, past, [0, 4, 5])
+        step = target(torch.tensor([[g[3]]]), cache).logits[0, -1]
+        fresh = target(torch.tensor([ids + g[:4]]), DynamicCache()).logits[0, -1]
+    assert cache.get_seq_length() == len(ids) + 4
+    assert torch.allclose(step, fresh, atol=1e-4)
+    assert int(step.argmax()) == g[4]
+
+
+def test_hierarchy_model_database_uses_other_prompts_only(tiny_pair, ar_outputs, tmp_path):
+    import json
+
+    method = build(tiny_pair, "hierarchy", databases=["model"])
+    (a, ref_a), (b, ref_b) = ar_outputs[0], ar_outputs[3]
+    assert run(method, a, 40).extra["databases"]["model"]["lookups"] == 0  # nothing earlier
+    assert run(method, a, 40).extra["databases"]["model"]["lookups"] == 0  # its own output is never used
+    out = run(method, b, 40)
+    assert out.output_ids == ref_b and out.extra["databases"]["model"]["lookups"] > 0
+    # Earlier outputs from a records.jsonl of a run on the same pair.
+    path = tmp_path / "records.jsonl"
+    path.write_text(json.dumps({"pair": "tiny", "prompt_ids": a, "output_ids": ref_a}) + "\n")
+    from_file = build(tiny_pair, "hierarchy", databases=["model"], model_db_file=str(path))
+    out = run(from_file, b, 40)
+    assert out.output_ids == ref_b and out.extra["databases"]["model"]["lookups"] > 0
+
+
+# ------------------------------------------------------------------------------------------ bad settings
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["method=pld", "method.min_ngram=4"], "need 1 <= min_ngram <= max_ngram"),
+    (["method=pld", "method.draft_len=0"], "method.draft_len must be at least 1"),
+    (["method=cascade", "method.k_matrix=[[1,2]]"], "method.k_matrix must be a triangle"),
+    (["method=cascade", "method.k_matrix=[[1,-1],[2]]"], "method.k_matrix entries must be whole numbers"),
+    (["method=cascade", "method.lenience=0"], "method.lenience must be at least 1"),
+    (["method=cascade", "method.corpus=books"], "method.corpus 'books' is not a packaged corpus"),
+    (["method=hierarchy", "method.databases=[context,web]"], "method.databases must list some of"),
+    (["method=hierarchy", "method.num_candidates=0"], "method.num_candidates must be at least 1"),
+    (["method=hierarchy", "method.stat_min_ngram=0"], "need 1 <= stat_min_ngram"),
+    (["method=hierarchy", "method.model_db_file=/no/such/records.jsonl"], "does not exist"),
+])
+def test_bad_settings_are_one_sentence_before_any_model_loads(compose_cfg, args, needle):
+    with pytest.raises(BenchError, match=needle.replace("[", r"\[")):
+        validate(compose_cfg("pair=tiny", *args))
+
+
+def test_cascade_k_matrix_must_fit_the_pair(tiny_pair):
+    with pytest.raises(BenchError, match="has 3 rows but pair 'tiny' gives 2 reviewing levels"):
+        build(tiny_pair, "cascade", k_matrix=[[1, 1, 1], [1, 1], [1]])
+
+
+# ------------------------------------------------------------------------------------------ real pair
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["pld", "cascade", "hierarchy"])
+def test_equals_ar_greedy_on_default_pair(real_pair, name):
+    ids = prompts_for(real_pair, 1)[0]
+    ref = decode(real_pair, "ar", ids, max_new=32).output_ids
+    assert run(build(real_pair, name), ids, 32).output_ids == ref
