@@ -289,7 +289,7 @@ class Sprinter(Method):
         from (``FloatTensor (vocab,)``, ``None`` when greedy) and why the run ended (``flagged``,
         ``max_run``, ``eos`` or ``budget``). The last token is the one the target will check.
         """
-        threshold, use_probs = float(self.cfg.threshold), bool(self.cfg.verifier.probs)
+        threshold, use_probs, eos = float(self.cfg.threshold), bool(self.cfg.verifier.probs), self.eos_ids
         x = torch.tensor([seq[dcache.get_seq_length():]], device=device)
         tokens, q = [], None
         for i in range(limit):
@@ -301,11 +301,11 @@ class Sprinter(Method):
                 q = probs_from_logits(logits, sampling)
                 tok = sample(q, generator)
             tokens.append(int(tok))
-            if tokens[-1] in self.eos_ids:
-                return tokens, q, "eos"  # an end of answer is always checked, never waved through
             if i == limit - 1:
                 # The target checks this token anyway: no need to ask the verifier.
                 return tokens, q, "max_run" if limit == int(self.cfg.max_run) else "budget"
+            if tokens[-1] in eos:
+                return tokens, q, "eos"  # an end of answer is always checked, never waved through
             score = torch.sigmoid(self.verifier(features(hidden, logits, use_probs).unsqueeze(0)))[0]
             if float(score) < threshold:
                 return tokens, q, "flagged"

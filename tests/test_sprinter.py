@@ -100,7 +100,6 @@ def test_never_flag_calls_target_once_per_max_run(tiny_pair):
     """threshold 0: nothing is flagged; each target call follows max_run drafted tokens, whose first
     max_run - 1 are committed unchecked (the verifier scores exactly those)."""
     max_run, max_new = 5, 60
-    clean = 0
     for ids in prompts_for(tiny_pair, 3):
         tiny_pair.reset_counts()
         s = decode(tiny_pair, "sprinter", ids, max_new=max_new, threshold=0.0, max_run=max_run, verifier=TINY_RECIPE)
@@ -113,12 +112,9 @@ def test_never_flag_calls_target_once_per_max_run(tiny_pair):
         assert x["runs_max_run"] + x["runs_eos"] + x["runs_budget"] == len(s.drafted)
         # The last token of a run is checked by the target, so the verifier never scores it.
         assert counts["verifier"]["calls"] == x["unchecked_tokens"] == sum(max(k - 1, 0) for k in s.drafted)
-        if x["runs_eos"] == 0 and len(s.output_ids) == max_new:
-            # Budget-limited tail aside, every call follows exactly max_run drafted tokens.
-            assert s.drafted[: len(full)] == full
-            assert len(s.drafted) <= (max_new - 1) // max_run + 2
-            clean += 1
-    assert clean  # at least one prompt ran without EOS runs, so the exact cadence was checked
+        # Runs shorter than max_run end only at a drafted EOS (always checked) or at the token budget.
+        assert sum(k < max_run for k in s.drafted) == x["runs_eos"] + x["runs_budget"]
+        assert x["runs_budget"] <= 2  # the last one or two calls, where fewer than max_run tokens are left
 
 
 def test_max_run_is_respected_and_tokens_add_up(tiny_pair):
