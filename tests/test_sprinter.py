@@ -159,3 +159,12 @@ def test_roc_auc_by_hand():
     assert np.isnan(roc_auc(np.array([0.1, 0.2]), np.array([1, 1], dtype=bool)))
     r = classification_report(np.array([0.9, 0.2, 0.6, 0.1]), labels)
     assert (r["accuracy"], r["precision"], r["recall"], r["reject_recall"]) == (0.5, 0.5, 0.5, 0.5)
+
+
+def test_cli_rejects_bad_threshold_before_loading(tmp_path, cache_dir):
+    from tests.test_cli import bench
+
+    res = bench("run", "pair=tiny", "method=sprinter", "method.threshold=-1", f"hydra.run.dir={tmp_path}",
+                cache_dir=cache_dir, timeout=300)
+    assert res.returncode != 0 and "method.threshold must be a number >= 0" in res.stderr
+    assert "Traceback" not in res.stderr
