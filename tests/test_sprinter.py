@@ -168,3 +168,15 @@ def test_cli_rejects_bad_threshold_before_loading(tmp_path, cache_dir):
                 cache_dir=cache_dir, timeout=300)
     assert res.returncode != 0 and "method.threshold must be a number >= 0" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_cli_trains_verifier_and_prints_report(cache_dir):
+    import json
+
+    from tests.test_cli import bench
+
+    recipe = [f"method.verifier.{k}={v}" for k, v in TINY_RECIPE.items()]
+    res = bench("train", "verifier", "pair=tiny", "method=sprinter", *recipe, cache_dir=cache_dir, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    report = json.loads(res.stdout[res.stdout.index("{"):])
+    assert REPORT_KEYS <= report.keys()
