@@ -44,7 +44,10 @@ def print_summary(rows: list[dict], run_dir: Path) -> None:
 
     df = pd.DataFrame(rows)
     cols = ["method", "prompts", "new_tokens", "tokens_per_s", "speedup", "mean_accepted", "alpha",
-            "analytic_speedup", "target_calls_per_token", "gflops_per_token", "ttft_s", "matches_baseline"]
+            "analytic_speedup", "target_calls_per_token", "gflops_per_token", "ttft_s", "matches_baseline",
+            # lossy methods only (bench/quality.py)
+            "token_agreement", "rougeL_vs_baseline", "exact_match", "rougeL_vs_reference", "perplexity",
+            "perplexity_baseline"]
     df = df[[c for c in cols if c in df.columns]]
     print()
     print(df.to_markdown(index=False, floatfmt=".3g"))

@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from bench import metrics
+from bench import metrics, quality
 from bench.data import encode, load_prompts
 from bench.models import Pair, load_pair
 from bench.registry import get_method
@@ -199,6 +199,7 @@ def summarize(records: list[dict], baseline: str | None, c: float) -> list[dict]
             "target_calls_per_token": metrics.ratio(sum(r["target_calls"] for r in rs), sum(r["new_tokens"] for r in rs)),
             "gflops_per_token": metrics.ratio(sum(r["flops"]["total"] for r in rs), sum(r["new_tokens"] for r in rs)) / 1e9,
             "matches_baseline": (all(r.get("matches_baseline") for r in rs) if name != baseline and rs[0].get("matches_baseline") is not None else None),
+            **quality.summarize_quality(rs),  # lossy methods only: agreement with AR, reference scores, perplexity
         })
     return rows
 
@@ -261,6 +262,10 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
                     rec["speedup"] = 1.0 if rec is base else paired_speedup(base, rec)
                     # Token-for-token equality with the baseline (only meaningful for lossless greedy runs).
                     rec["matches_baseline"] = rec["output_ids"] == base["output_ids"]
+                if not rec["lossless"]:
+                    # Lossy output is scored against AR and the reference; untimed, and its one target
+                    # forward is not counted (the counters are reset before the next timed decode).
+                    rec["quality"] = quality.record_quality(pair, rec, base)
                 writer.write(rec)
                 records.append(rec)
         ok = True
