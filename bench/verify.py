@@ -40,6 +40,8 @@ def verify_chain(
         return n, int(target_choice[n])
 
     p = probs_from_logits(target_logits, sampling)  # (k + 1, vocab)
+    if k == 0:  # nothing drafted (e.g. the last token of the budget): a plain sample from the target
+        return 0, int(sample(p[0], generator))
     idx = torch.arange(k)
     p_tok = p[idx, draft_tokens]
     q_tok = draft_probs[idx, draft_tokens]

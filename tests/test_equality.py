@@ -65,3 +65,11 @@ def test_caches_are_rolled_back_not_recomputed(tiny_pair):
     scored = tiny_pair.target.tokens
     rejected = sum(k - (a - 1) for a, k in zip(out.accept_lengths, out.drafted))
     assert scored == len(ids) + len(out.output_ids) - 1 + rejected
+
+
+def test_sd_sampling_with_one_token_of_budget_left(tiny_pair):
+    """When only the target's own token fits in the budget, SD drafts nothing and samples from the target."""
+    ids = prompts_for(tiny_pair, 1)[0]
+    for seed in (1, 5):
+        out = decode(tiny_pair, "sd", ids, max_new=12, temperature=1.0, seed=seed, gamma=3)
+        assert len(out.output_ids) == 12
