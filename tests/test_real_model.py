@@ -22,3 +22,16 @@ def test_default_target_is_a_real_instruct_model(real_pair):
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     text = tok.decode(decode(real_pair, "ar", list(ids), max_new=12).output_ids)
     assert "Paris" in text
+
+
+@pytest.mark.parametrize("name", ["medusa", "hydra"])
+def test_tree_heads_equal_ar_greedy_on_default_pair(real_pair, name):
+    """Tree verification on the real target; heads from a seconds-long recipe (equality must hold anyway)."""
+    import dataclasses
+
+    from tests.test_heads import method_cfg
+
+    pair = dataclasses.replace(real_pair, roles={})
+    cfg = method_cfg(name, recipe={"vocab": 2048, "max_tokens": 2048, "eval_tokens": 512})
+    for ids in prompts_for(pair, 2):
+        assert decode(pair, name, ids, max_new=32, **cfg).output_ids == decode(pair, "ar", ids, max_new=32).output_ids
