@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections import Counter
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from bench.corpus import corpus
 from bench.errors import BenchError
 from bench.models import atomic_dir, recipe_key
+from bench.training import fit
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +139,13 @@ def pick_vocab(tokenizer, chunks: torch.Tensor, top1: torch.Tensor, size: int) -
     return torch.tensor(sorted(chosen))
 
 
+def sub_index(vocab_map: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``LongTensor (vocab_size,)``: a token's row in the reduced vocabulary ``vocab_map``, -1 outside it."""
+    to_sub = torch.full((vocab_size,), -1, dtype=torch.long, device=vocab_map.device)
+    to_sub[vocab_map] = torch.arange(vocab_map.numel(), device=vocab_map.device)
+    return to_sub
+
+
 def distill_loss(draft: DraftLM, x, idx, prob, to_sub):
     """Cross-entropy of the draft against the target's top-k distribution, restricted to the draft vocab.
 
@@ -248,33 +255,24 @@ def train_draft(target, tokenizer, recipe: DictConfig) -> tuple[DraftLM, dict]:
         batches.append(answers)
         top1 = torch.cat([top1.flatten(), answers[1][..., 0][answers[2][..., 0] > 0]])
     vocab_map = pick_vocab(tokenizer, train, top1, min(int(recipe.vocab), target.config.vocab_size))
-    to_sub = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
-    to_sub[vocab_map] = torch.arange(vocab_map.numel())
+    to_sub = sub_index(vocab_map, target.config.vocab_size)
 
     draft = draft_from_target(target, list(recipe.layers), vocab_map)
     report = {"agreement_before": top1_agreement(draft, held, held_top1, recipe.batch_size)}
     draft.body.embed_tokens.weight.requires_grad_(False)  # the input embedding stays the target's
     params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=float(recipe.lr), weight_decay=0.0)
-    steps = int(recipe.epochs) * sum(math.ceil(len(b[0]) / recipe.batch_size) for b in batches)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=float(recipe.lr), total_steps=steps, pct_start=0.1)
-    draft.train()
-    bar = tqdm(total=steps, desc="draft: distilling", unit="step")
+    bs = int(recipe.batch_size)
     # Batches from the news text and from the target's answers are interleaved at random each epoch.
-    plan = [(s, b) for s, (x, _, _) in enumerate(batches) for b in range(math.ceil(len(x) / recipe.batch_size))]
-    for _ in range(int(recipe.epochs)):
-        for s_, b_ in (plan[j] for j in torch.randperm(len(plan)).tolist()):
-            x, xi, xp = batches[s_]
-            perm = torch.arange(b_ * recipe.batch_size, min((b_ + 1) * recipe.batch_size, len(x)))
-            loss = distill_loss(draft, x[perm], xi[perm], xp[perm], to_sub)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            bar.update()
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-    bar.close()
+    plan = [(src, lo) for src, (x, _, _) in enumerate(batches) for lo in range(0, len(x), bs)]
+
+    def epoch():
+        for j in torch.randperm(len(plan)).tolist():
+            src, lo = plan[j]
+            yield tuple(t[lo : lo + bs] for t in batches[src])
+
+    draft.train()
+    fit(params, epoch, lambda b: distill_loss(draft, *b, to_sub), epochs=int(recipe.epochs),
+        steps_per_epoch=len(plan), lr=float(recipe.lr), desc="draft: distilling")
     draft.eval()
     if answers is not None:
         report["answer_tokens"] = int((answers[2][..., 0] > 0).sum())

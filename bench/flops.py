@@ -10,7 +10,6 @@ new tokens), which is also what ``torch.utils.flop_counter.FlopCounterMode`` cou
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 

@@ -32,9 +32,10 @@ from tqdm.auto import tqdm
 
 from bench.corpus import corpus
 from bench.counting import CountedModule
-from bench.distill import pick_vocab, target_identity, token_chunks
+from bench.distill import pick_vocab, sub_index, target_identity, token_chunks
 from bench.errors import BenchError
 from bench.models import atomic_dir, recipe_key
+from bench.training import fit
 
 log = logging.getLogger(__name__)
 
@@ -194,31 +195,18 @@ def train_heads(target, tokenizer, kind: str, recipe: DictConfig) -> tuple[Heads
     hidden, idx, prob = teacher_pass(target, train, topk, bs, f"{kind}: target labels")
     held_hidden, held_idx, _ = teacher_pass(target, held, 1, bs, f"{kind}: held-out labels")
     vocab_map = pick_vocab(tokenizer, train.cpu(), idx[..., 0].cpu(), min(int(recipe.vocab), target.config.vocab_size))
-    to_sub = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
-    to_sub[vocab_map] = torch.arange(vocab_map.numel())
-    to_sub = to_sub.to(device)
+    to_sub = sub_index(vocab_map, target.config.vocab_size).to(device)
 
     heads = Heads(kind, target.config.hidden_size, K, vocab_map).to(device)
     for proj in heads.proj:
         proj.weight.data.copy_(target.get_output_embeddings().weight.data[vocab_map.to(device)])
     report = {"agreement_before": head_agreement(heads, held_hidden, held, held_idx[..., 0], embed, bs)}
     params = [p for p in heads.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=float(recipe.lr), weight_decay=0.0)
-    steps = int(recipe.epochs) * math.ceil(len(train) / bs)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=float(recipe.lr), total_steps=steps, pct_start=0.1)
     heads.train()
-    bar = tqdm(total=steps, desc=f"{kind}: training {K} heads", unit="step")
-    for _ in range(int(recipe.epochs)):
-        for b in torch.randperm(len(train)).split(bs):
-            loss = heads_loss(heads, hidden[b], train[b], idx[b], prob[b], to_sub, recipe.loss, embed, float(recipe.decay))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            bar.update()
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-    bar.close()
+    fit(params, lambda: torch.randperm(len(train)).split(bs),
+        lambda b: heads_loss(heads, hidden[b], train[b], idx[b], prob[b], to_sub, recipe.loss, embed, float(recipe.decay)),
+        epochs=int(recipe.epochs), steps_per_epoch=math.ceil(len(train) / bs), lr=float(recipe.lr),
+        desc=f"{kind}: training {K} heads")
     heads.eval()
     report.update(
         # Per head k: P(head k's top-1 == the target's greedy token k + 1 steps after its next one), held out.

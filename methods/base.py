@@ -9,7 +9,7 @@ import torch
 from omegaconf import DictConfig
 
 from bench.models import Pair
-from bench.sampling import Sampling
+from bench.sampling import Sampling, next_token
 
 
 @dataclass
@@ -76,6 +76,23 @@ class Method:
         elif extra:
             ids.update(extra)
         return ids
+
+    def prefill(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens, draft=None):
+        """Prefill the target (and ``draft``, if given) on the prompt and commit the target's first token.
+
+        Returns ``(target_cache, draft_cache, seq, out, done)``: ``seq`` is prompt + committed tokens (a
+        list), ``out`` the committed tokens. The draft's prefill is part of its cost and is counted as such.
+        """
+        from transformers import DynamicCache
+
+        tcache, dcache = DynamicCache(), DynamicCache() if draft is not None else None
+        logits = self.pair.target(prompt_ids, tcache, logits_to_keep=1).logits[0, -1]
+        if draft is not None:
+            draft(prompt_ids, dcache, logits_to_keep=1)
+        out = [int(next_token(logits, sampling, generator))]
+        on_tokens(1)
+        out, done = self.finish(out, max_new_tokens)
+        return tcache, dcache, prompt_ids[0].tolist() + out, out, done
 
     def finish(self, out: list[int], max_new_tokens: int) -> tuple[list[int], bool]:
         """Cut committed tokens at the first EOS (kept) and at ``max_new_tokens``; True when decoding is done."""

@@ -9,11 +9,9 @@ recomputed. Lossless: greedy output equals ``ar``; sampled output is distributed
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
-
 from bench.counting import truncate_cache
 from bench.registry import register
-from bench.sampling import next_token, probs_from_logits, sample
+from bench.sampling import probs_from_logits, sample
 from bench.verify import verify_chain
 from methods.base import Decoded, Method
 
@@ -46,15 +44,7 @@ class SD(Method):
     def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> Decoded:
         target, draft, device = self.pair.target, self.pair.draft, prompt_ids.device
         gamma = int(self.cfg.gamma)
-        tcache, dcache = DynamicCache(), DynamicCache()
-        # Prefill both models; the draft's prefill is part of its cost and is counted as such.
-        logits = target(prompt_ids, tcache, logits_to_keep=1).logits[0, -1]
-        draft(prompt_ids, dcache, logits_to_keep=1)
-        seq = prompt_ids[0].tolist()
-        out = [int(next_token(logits, sampling, generator))]
-        seq.append(out[0])
-        on_tokens(1)
-        out, done = self.finish(out, max_new_tokens)
+        tcache, dcache, seq, out, done = self.prefill(prompt_ids, max_new_tokens, sampling, generator, on_tokens, draft)
         accept_lengths, drafted = [], []
         while not done:
             # Never draft past the token budget: the target's own token fills the last slot.

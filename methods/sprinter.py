@@ -31,13 +31,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
 from bench.corpus import corpus
 from bench.counting import CountedModule, truncate_cache
 from bench.distill import token_chunks
 from bench.errors import BenchError
 from bench.models import atomic_dir, recipe_key
+from bench.training import fit
 from bench.registry import register
 from bench.sampling import next_token, probs_from_logits, sample
 from bench.verify import verify_chain
@@ -184,26 +184,19 @@ def train_verifier(pair, recipe: DictConfig) -> tuple[Verifier, dict]:
     # Class balance: accepted tokens are the minority for a weak draft; weigh them up to the rejections.
     pos_weight = torch.tensor(n_neg / n_pos if n_pos and n_neg else 1.0)
     loss_fn = nn.BCEWithLogitsLoss(pos_weight=pos_weight)
-    opt = torch.optim.AdamW(model.parameters(), lr=float(recipe.lr), weight_decay=float(recipe.weight_decay))
     yf = y.float()
-    steps = int(recipe.epochs) * math.ceil(len(x) / int(recipe.train_batch))
-    bar = tqdm(total=steps, desc="verifier: training", unit="step")
+    batch = int(recipe.train_batch)
     model.train()
-    for _ in range(int(recipe.epochs)):
-        for b in torch.randperm(len(x)).split(int(recipe.train_batch)):
-            loss = loss_fn(model(x[b]), yf[b])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            bar.update()
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-    bar.close()
+    final_loss = fit(list(model.parameters()), lambda: torch.randperm(len(x)).split(batch),
+                     lambda b: loss_fn(model(x[b]), yf[b]), epochs=int(recipe.epochs),
+                     steps_per_epoch=math.ceil(len(x) / batch), lr=float(recipe.lr),
+                     weight_decay=float(recipe.weight_decay), one_cycle=False, clip=None, desc="verifier: training")
     model.eval()
     with torch.no_grad():
         scores = torch.sigmoid(model(xh)).numpy()
     report = classification_report(scores, yh.numpy())
     report.update(train_examples=len(x), heldout_examples=len(xh), train_accept_rate=n_pos / max(len(y), 1),
-                  features=int(x.shape[1]), final_loss=float(loss.item()))
+                  features=int(x.shape[1]), final_loss=final_loss)
     return model, report
 
 
@@ -315,14 +308,7 @@ class Sprinter(Method):
     def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> Decoded:
         target, draft, device = self.pair.target, self.pair.draft, prompt_ids.device
         max_run = int(self.cfg.max_run)
-        tcache, dcache = DynamicCache(), DynamicCache()
-        logits = target(prompt_ids, tcache, logits_to_keep=1).logits[0, -1]
-        draft(prompt_ids, dcache, logits_to_keep=1)
-        seq = prompt_ids[0].tolist()
-        out = [int(next_token(logits, sampling, generator))]
-        seq.append(out[0])
-        on_tokens(1)
-        out, done = self.finish(out, max_new_tokens)
+        tcache, dcache, seq, out, done = self.prefill(prompt_ids, max_new_tokens, sampling, generator, on_tokens, draft)
         accept_lengths, drafted = [], []
         stats = Counter()
         while not done:

@@ -4,7 +4,6 @@ default pair in test_real_model.py)."""
 import copy
 
 import pytest
-import torch
 
 from bench.counting import CountedLM
 from tests.helpers import decode, prompts_for
