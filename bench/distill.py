@@ -176,47 +176,61 @@ def top1_agreement(draft: DraftLM, chunks, top1, batch_size: int) -> float:
 
 
 @torch.no_grad()
+def target_answers(target, tokenizer, prompts: list[str], batch_size: int, max_new_tokens: int, desc: str, topk: int = 0):
+    """The target's greedy answers to ``prompts`` (chat template where the tokenizer has one), batched.
+
+    Yields ``(prompt_ids, answer_ids, idx, prob)`` per prompt: ``LongTensor (P,)``, ``LongTensor (n,)`` (cut
+    after the first EOS) and, when ``topk`` > 0, the target's top-k at each answer step: ``(n, topk)`` each.
+    """
+    eos = tokenizer.eos_token_id
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"  # generation appends on the right, so prompts are aligned on the right
+    try:
+        for start in tqdm(range(0, len(prompts), batch_size), desc=desc, unit="batch"):
+            batch = prompts[start : start + batch_size]
+            if getattr(tokenizer, "chat_template", None):
+                batch = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                       tokenize=False) for p in batch]
+            enc = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)
+            out = target.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, output_logits=topk > 0,
+                                  return_dict_in_generate=True, pad_token_id=eos)
+            if topk:
+                steps = torch.stack(out.logits, 1).float()  # (B, R, vocab): the target's logits for answer token t
+                prob, idx = torch.softmax(steps, -1).topk(topk, dim=-1)
+            width = enc["input_ids"].shape[1]
+            for b in range(len(batch)):
+                answer = out.sequences[b, width:]
+                ends = (answer == eos).nonzero()
+                n = int(ends[0]) + 1 if ends.numel() else answer.numel()
+                prompt = enc["input_ids"][b][enc["attention_mask"][b].bool()]
+                yield prompt, answer[:n], (idx[b, :n] if topk else None), (prob[b, :n] if topk else None)
+    finally:
+        tokenizer.padding_side = side
+
+
 def self_distill_data(target, tokenizer, recipe: DictConfig):
-    """The target answers packaged instructions greedily (batched); its logits at every answer position are
-    kept as top-k soft labels. The draft then learns the target on the target's own kind of text.
+    """The target answers packaged instructions greedily (batched); its distribution at every answer position
+    is kept as top-k soft labels. The draft then learns the target on the target's own kind of text.
 
     Returns ``(ids, idx, prob)``: ``LongTensor (N, L)`` (right-padded with EOS), ``LongTensor (N, L, k)`` and
     ``FloatTensor (N, L, k)`` with zero ``prob`` on prompt and padding positions.
     """
     from bench.corpus import instruction_prompts
 
-    sd = recipe.self_distill
+    sd, k = recipe.self_distill, int(recipe.topk)
     prompts = instruction_prompts(int(sd.prompts), int(recipe.seed))
-    eos, k = tokenizer.eos_token_id, int(recipe.topk)
     rows = []
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"  # generation appends on the right, so prompts are aligned on the right
-    try:
-        for start in tqdm(range(0, len(prompts), int(sd.batch_size)), desc="draft: target answers", unit="batch"):
-            chats = [[{"role": "user", "content": p}] for p in prompts[start : start + int(sd.batch_size)]]
-            text = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
-            enc = tokenizer(text, return_tensors="pt", padding=True, add_special_tokens=False)
-            out = target.generate(**enc, max_new_tokens=int(sd.max_new_tokens), do_sample=False, output_logits=True,
-                                  return_dict_in_generate=True, pad_token_id=eos)
-            steps = torch.stack(out.logits, 1).float()  # (B, R, vocab): the target's logits for answer token t
-            p, i = torch.softmax(steps, -1).topk(k, dim=-1)
-            width = enc["input_ids"].shape[1]
-            for b in range(len(chats)):
-                prompt = enc["input_ids"][b][enc["attention_mask"][b].bool()]
-                answer = out.sequences[b, width:]
-                ends = (answer == eos).nonzero()
-                n = int(ends[0]) + 1 if ends.numel() else answer.numel()
-                ids = torch.cat([prompt, answer[:n]])
-                ridx = torch.zeros(len(ids), k, dtype=torch.long)
-                rprob = torch.zeros(len(ids), k)
-                # Position P-1+t predicts answer token t: that is where answer step t's distribution belongs.
-                ridx[len(prompt) - 1 : len(prompt) - 1 + n] = i[b, :n]
-                rprob[len(prompt) - 1 : len(prompt) - 1 + n] = p[b, :n]
-                rows.append((ids, ridx, rprob))
-    finally:
-        tokenizer.padding_side = side
+    for prompt, answer, i, p in target_answers(target, tokenizer, prompts, int(sd.batch_size), int(sd.max_new_tokens),
+                                               "draft: target answers", topk=k):
+        ids = torch.cat([prompt, answer])
+        ridx = torch.zeros(len(ids), k, dtype=torch.long)
+        rprob = torch.zeros(len(ids), k)
+        # Position P-1+t predicts answer token t: that is where answer step t's distribution belongs.
+        ridx[len(prompt) - 1 : len(ids) - 1] = i
+        rprob[len(prompt) - 1 : len(ids) - 1] = p
+        rows.append((ids, ridx, rprob))
     width = max(len(r[0]) for r in rows)
-    ids = torch.full((len(rows), width), eos, dtype=torch.long)
+    ids = torch.full((len(rows), width), tokenizer.eos_token_id, dtype=torch.long)
     idx = torch.zeros(len(rows), width, k, dtype=torch.long)
     prob = torch.zeros(len(rows), width, k)
     for r, (a, b, c) in enumerate(rows):

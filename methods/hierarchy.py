@@ -4,10 +4,11 @@ the current text come from three token databases, queried in order of temporal l
 ``num_candidates`` are found:
 
 1. context-dependent: n-grams of the current prompt and of what has been generated for it so far;
-2. model-dependent: n-grams of the target's own earlier generations (the outputs of the other prompts
-   decoded by this method in this process, plus, optionally, the outputs in a ``records.jsonl`` of an
-   earlier run on the same pair); a prompt's own earlier output is never used, so warm-up decodes and
-   repeated prompts do not leak the answer;
+2. model-dependent: n-grams of the target's own earlier generations: its greedy answers to packaged
+   instructions (``model_db``; generated once by the harness and cached, keyed by the target), the outputs
+   of the other prompts decoded by this method in this process, and optionally the outputs in a
+   ``records.jsonl`` of an earlier run on the same pair; a prompt's own earlier output is never used, so
+   warm-up decodes and repeated prompts do not leak the answer;
 3. statistics-dependent: the most frequent continuations of each n-gram of packaged text
    (:class:`bench.ngram.CorpusNGrams`, built once and cached).
 
@@ -26,6 +27,7 @@ import json
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from transformers import DynamicCache
 
 from bench.counting import truncate_cache
@@ -112,6 +114,32 @@ def load_records_db(path: str, pair_name: str) -> list[tuple[tuple[int, ...], li
     return docs
 
 
+def load_or_build_model_db(pair, settings, build_if_missing: bool) -> list[list[int]]:
+    """The target's greedy answers (token ids) to ``settings.prompts`` packaged instructions, cached as JSON
+    under ``cache/ngram/`` keyed by the target's identity and ``settings``; generated once when missing."""
+    from bench.corpus import instruction_prompts
+    from bench.distill import target_answers, target_identity
+    from bench.models import recipe_key
+    from bench.results import write_json_atomic
+
+    target = pair.target.module
+    path = pair.cache / "ngram" / f"model-db-{recipe_key(target_identity(target), settings)}.json"
+    if not path.is_file():
+        if not build_if_missing:
+            raise BenchError(f"no model database cached at {path}; run with train_if_missing=true to build it.")
+        prompts = instruction_prompts(int(settings.prompts), int(settings.seed))
+        with torch.inference_mode():
+            docs = [answer.tolist() for _, answer, _, _ in target_answers(
+                target, pair.tokenizer, prompts, int(settings.batch_size), int(settings.max_new_tokens),
+                "hierarchy: target answers")]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {"settings": OmegaConf.to_container(settings), "docs": docs})
+    try:
+        return [list(map(int, d)) for d in json.loads(path.read_text())["docs"]]
+    except (ValueError, KeyError, TypeError):
+        raise BenchError(f"the cached model database {path} is corrupt; delete it to rebuild it.") from None
+
+
 @register("hierarchy")
 class Hierarchy(Method):
     lossless = True
@@ -128,6 +156,8 @@ class Hierarchy(Method):
         bad = [db for db in cfg.databases if db not in DATABASES]
         if bad or not cfg.databases:
             raise BenchError(f"method.databases must list some of {', '.join(DATABASES)}, got {list(cfg.databases)}.")
+        if int(cfg.model_db.prompts) < 0 or int(cfg.model_db.max_new_tokens) < 1:
+            raise BenchError("method.model_db needs prompts >= 0 and max_new_tokens >= 1.")
         path = cfg.get("model_db_file")
         if path and not Path(str(path)).expanduser().is_file():
             raise BenchError(f"method.model_db_file '{path}' does not exist.")
@@ -143,6 +173,8 @@ class Hierarchy(Method):
         # The model-dependent database: outputs of earlier decodes, keyed by their prompt.
         self.history: dict[tuple[int, ...], list[int]] = {}
         self.file_docs = load_records_db(cfg.model_db_file, self.pair.name) if cfg.get("model_db_file") else []
+        if "model" in cfg.databases and int(cfg.model_db.prompts) > 0:
+            self.file_docs += [((), doc) for doc in load_or_build_model_db(self.pair, cfg.model_db, train_if_missing)]
 
     def model_index(self, prompt: tuple[int, ...]) -> NGramIndex | None:
         """An index over the target's outputs for every prompt but ``prompt`` (rebuilt per decode: small)."""

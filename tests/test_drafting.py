@@ -261,7 +261,7 @@ def test_hierarchy_tree_keeps_the_cache_of_an_accepted_side_branch(tiny_pair):
 def test_hierarchy_model_database_uses_other_prompts_only(tiny_pair, ar_outputs, tmp_path):
     import json
 
-    method = build(tiny_pair, "hierarchy", databases=["model"])
+    method = build(tiny_pair, "hierarchy", databases=["model"], model_db={"prompts": 0})
     (a, ref_a), (b, ref_b) = ar_outputs[0], ar_outputs[3]
     assert run(method, a, 40).extra["databases"]["model"]["lookups"] == 0  # nothing earlier
     assert run(method, a, 40).extra["databases"]["model"]["lookups"] == 0  # its own output is never used
@@ -270,9 +270,27 @@ def test_hierarchy_model_database_uses_other_prompts_only(tiny_pair, ar_outputs,
     # Earlier outputs from a records.jsonl of a run on the same pair.
     path = tmp_path / "records.jsonl"
     path.write_text(json.dumps({"pair": "tiny", "prompt_ids": a, "output_ids": ref_a}) + "\n")
-    from_file = build(tiny_pair, "hierarchy", databases=["model"], model_db_file=str(path))
+    from_file = build(tiny_pair, "hierarchy", databases=["model"], model_db_file=str(path), model_db={"prompts": 0})
     out = run(from_file, b, 40)
     assert out.output_ids == ref_b and out.extra["databases"]["model"]["lookups"] > 0
+
+
+def test_hierarchy_model_database_of_target_answers_is_built_once_and_cached(tiny_pair, ar_outputs, tmp_path):
+    import dataclasses
+
+    pair = dataclasses.replace(tiny_pair, cache=tmp_path, roles={})
+    settings = {"prompts": 4, "max_new_tokens": 24, "batch_size": 4, "seed": 0}
+    method = build(pair, "hierarchy", databases=["model"], model_db=settings)
+    (a, ref_a) = ar_outputs[0]
+    out = run(method, a, 40)
+    assert out.output_ids == ref_a and out.extra["databases"]["model"]["lookups"] > 0  # answers from the start
+    (cached,) = (tmp_path / "ngram").glob("model-db-*.json")
+    stamp = cached.stat().st_mtime_ns
+    build(pair, "hierarchy", databases=["model"], model_db=settings)  # from the cache, not generated again
+    assert cached.stat().st_mtime_ns == stamp
+    cached.write_text("{not json")
+    with pytest.raises(BenchError, match="is corrupt"):
+        build(pair, "hierarchy", databases=["model"], model_db=settings)
 
 
 # ------------------------------------------------------------------------------------------ bad settings
