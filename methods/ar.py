@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
 from bench.registry import register
 from bench.sampling import next_token
@@ -16,12 +15,8 @@ class AR(Method):
 
     def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> Decoded:
         target = self.pair.target
-        cache = DynamicCache()
         # Prefill: the whole prompt in one forward; only the last position needs logits.
-        logits = target(prompt_ids, cache, logits_to_keep=1).logits[0, -1]
-        out = [int(next_token(logits, sampling, generator))]
-        on_tokens(1)
-        out, done = self.finish(out, max_new_tokens)
+        cache, _, _, out, done = self.prefill(prompt_ids, max_new_tokens, sampling, generator, on_tokens)
         step = torch.empty((1, 1), dtype=torch.long, device=prompt_ids.device)
         while not done:
             step.fill_(out[-1])

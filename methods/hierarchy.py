@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from transformers import DynamicCache
 
 from bench.counting import truncate_cache
 from bench.errors import BenchError
@@ -199,13 +198,8 @@ class Hierarchy(Method):
         order = [name for name in cfg.databases if dbs[name] is not None]
         figures = {name: {"lookups": 0, "hits": 0, "proposed": 0, "accepted": 0} for name in cfg.databases}
 
-        cache = DynamicCache()
-        logits = target(prompt_ids, cache, logits_to_keep=1).logits[0, -1]
-        out = [int(next_token(logits, sampling, generator))]
-        seq.append(out[0])
+        cache, _, seq, out, done = self.prefill(prompt_ids, max_new_tokens, sampling, generator, on_tokens)
         context.extend(out)
-        on_tokens(1)
-        out, done = self.finish(out, max_new_tokens)
         accept_lengths, drafted = [], []
         while not done:
             # Never draft past the token budget: the target's own token fills the last slot.

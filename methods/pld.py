@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
 from bench.counting import truncate_cache
 from bench.errors import BenchError
 from bench.metrics import ratio
 from bench.ngram import NGramIndex
 from bench.registry import register
-from bench.sampling import next_token
+
 from bench.verify import verify_chain
 from methods.base import Decoded, Method
 
@@ -52,15 +51,9 @@ class PLD(Method):
     def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> Decoded:
         target, device = self.pair.target, prompt_ids.device
         draft_len = int(self.cfg.draft_len)
-        cache = DynamicCache()
-        logits = target(prompt_ids, cache, logits_to_keep=1).logits[0, -1]
-        seq = prompt_ids[0].tolist()
-        out = [int(next_token(logits, sampling, generator))]
-        seq.append(out[0])
+        cache, _, seq, out, done = self.prefill(prompt_ids, max_new_tokens, sampling, generator, on_tokens)
         index = NGramIndex(int(self.cfg.min_ngram), int(self.cfg.max_ngram))
         index.add_document(seq)
-        on_tokens(1)
-        out, done = self.finish(out, max_new_tokens)
         accept_lengths, drafted = [], []
         lookups = hits = 0
         while not done:
