@@ -18,7 +18,6 @@ from bench.errors import BenchError
 from bench.metrics import ratio
 from bench.ngram import NGramIndex
 from bench.registry import register
-
 from bench.verify import verify_chain
 from methods.base import Decoded, Method
 
