@@ -155,15 +155,29 @@ def test_launcher_configs_compose(compose_cfg):
     assert cfg.hydra.run.dir == cfg.hydra.sweep.dir == "/tmp/some/sweep"
 
 
-def test_ray_launcher_config_composes():
+def _needs_ray():
     try:
         import hydra_plugins.hydra_ray_launcher  # noqa: F401
     except ImportError:
-        pytest.skip("hydra-ray-launcher is not installed (it pins cloudpickle 2.2.1 and downgrades python-dateutil, "
-                    "so it is not in this environment; see README)")
+        pytest.skip("hydra-ray-launcher is not installed (the `ray` extra: it pins cloudpickle 2.2.1, so it is "
+                    "opt-in; .ci/run installs it)")
+
+
+def test_ray_launcher_config_composes():
+    _needs_ray()
     from bench.cli import compose
 
     assert compose(["hydra/launcher=ray"], hydra=True).hydra.launcher._target_.endswith("RayLauncher")
+
+
+def test_local_ray_sweep_writes_every_job(tmp_path, cache_dir):
+    """Two jobs on a local Ray cluster started by the launcher itself (seconds on 2 cores)."""
+    _needs_ray()
+    res = bench("run", "-m", "hydra/launcher=ray", "method=sd,pld", "pair=tiny", "max_new_tokens=8",
+                "dataset.n_prompts=2", f"hydra.sweep.dir={tmp_path}", cache_dir=cache_dir, timeout=400)
+    assert res.returncode == 0, res.stderr[-2000:]
+    found = sorted(p.parent.parent.name for p in tmp_path.glob("*/*/records.jsonl"))
+    assert found == ["pld_tiny_default", "sd_tiny_default"]
 
 
 def _records(path):
