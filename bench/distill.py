@@ -111,19 +111,22 @@ def token_chunks(tokenizer, docs, seq_len: int, max_tokens: int) -> torch.Tensor
 
 
 @torch.no_grad()
-def teacher_targets(target, chunks: torch.Tensor, topk: int, batch_size: int, desc: str):
-    """The target's top-k next-token distribution at every position, teacher-forced.
+def teacher_pass(target, chunks: torch.Tensor, topk: int, batch_size: int, desc: str, with_hidden: bool = False):
+    """Teacher-forced target outputs at every position of ``chunks (N, T)``.
 
-    Returns ``(idx, prob, top1)``: ``LongTensor (N, T, k)``, ``FloatTensor (N, T, k)``, ``LongTensor (N, T)``.
+    Returns ``(hidden, idx, prob)``: the last hidden states ``(N, T, hidden)`` (``None`` unless
+    ``with_hidden``) and the target's top-k next-token ids and probabilities ``(N, T, topk)``
+    (``idx[..., 0]`` is its greedy token).
     """
-    idx, prob = [], []
+    hidden, idx, prob = [], [], []
     for start in tqdm(range(0, len(chunks), batch_size), desc=desc, unit="batch"):
-        logits = target(chunks[start : start + batch_size]).logits.float()
-        p, i = torch.softmax(logits, -1).topk(topk, dim=-1)
+        out = target(chunks[start : start + batch_size], output_hidden_states=with_hidden)
+        p, i = torch.softmax(out.logits.float(), -1).topk(topk, dim=-1)
+        if with_hidden:
+            hidden.append(out.hidden_states[-1].float())
         idx.append(i)
         prob.append(p)
-    idx = torch.cat(idx)
-    return idx, torch.cat(prob), idx[..., 0]
+    return (torch.cat(hidden) if with_hidden else None), torch.cat(idx), torch.cat(prob)
 
 
 def pick_vocab(tokenizer, chunks: torch.Tensor, top1: torch.Tensor, size: int) -> torch.Tensor:
@@ -257,8 +260,9 @@ def train_draft(target, tokenizer, recipe: DictConfig) -> tuple[DraftLM, dict]:
     target = target.float().eval()
     train = token_chunks(tokenizer, corpus(recipe.corpus, "train"), recipe.seq_len, recipe.max_tokens)
     held = token_chunks(tokenizer, corpus(recipe.corpus, "test"), recipe.seq_len, recipe.eval_tokens)
-    idx, prob, top1 = teacher_targets(target, train, recipe.topk, recipe.batch_size, "draft: target labels")
-    _, _, held_top1 = teacher_targets(target, held, 1, recipe.batch_size, "draft: held-out labels")
+    _, idx, prob = teacher_pass(target, train, recipe.topk, recipe.batch_size, "draft: target labels")
+    top1 = idx[..., 0]
+    held_top1 = teacher_pass(target, held, 1, recipe.batch_size, "draft: held-out labels")[1][..., 0]
     batches = [(train, idx, prob)]
     answers = None
     if recipe.get("self_distill") and int(recipe.self_distill.prompts) > 0:

@@ -28,11 +28,10 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from tqdm.auto import tqdm
 
 from bench.corpus import corpus
 from bench.counting import CountedModule
-from bench.distill import pick_vocab, sub_index, target_identity, token_chunks
+from bench.distill import pick_vocab, sub_index, target_identity, teacher_pass, token_chunks
 from bench.errors import BenchError
 from bench.models import atomic_dir, recipe_key
 from bench.training import fit
@@ -113,23 +112,6 @@ class CountedHeads(CountedModule):
 # --------------------------------------------------------------------------------------------- training
 
 
-@torch.no_grad()
-def teacher_pass(target, chunks: torch.Tensor, topk: int, batch_size: int, desc: str):
-    """Teacher-forced target outputs at every position of ``chunks (N, T)``.
-
-    Returns ``(hidden, idx, prob)``: last hidden states ``(N, T, hidden)`` and the target's top-k next-token
-    ids and probabilities ``(N, T, topk)`` (``idx[..., 0]`` is its greedy token).
-    """
-    hidden, idx, prob = [], [], []
-    for start in tqdm(range(0, len(chunks), batch_size), desc=desc, unit="batch"):
-        out = target(chunks[start : start + batch_size], output_hidden_states=True)
-        p, i = torch.softmax(out.logits.float(), -1).topk(topk, dim=-1)
-        hidden.append(out.hidden_states[-1].float())
-        idx.append(i)
-        prob.append(p)
-    return torch.cat(hidden), torch.cat(idx), torch.cat(prob)
-
-
 def head_logits(heads: Heads, k: int, hidden: torch.Tensor, chunks: torch.Tensor, embed) -> torch.Tensor:
     """Head k at every position t that has a label (t + k + 1 < T): ``(B, T - k - 1, V')``."""
     T = hidden.shape[1]
@@ -192,8 +174,8 @@ def train_heads(target, tokenizer, kind: str, recipe: DictConfig) -> tuple[Heads
     if recipe.seq_len <= K + 1:
         raise BenchError(f"recipe.seq_len ({recipe.seq_len}) must exceed num_heads + 1 ({K + 1}).")
     topk = int(recipe.topk) if recipe.loss == "teacher" else 1
-    hidden, idx, prob = teacher_pass(target, train, topk, bs, f"{kind}: target labels")
-    held_hidden, held_idx, _ = teacher_pass(target, held, 1, bs, f"{kind}: held-out labels")
+    hidden, idx, prob = teacher_pass(target, train, topk, bs, f"{kind}: target labels", with_hidden=True)
+    held_hidden, held_idx, _ = teacher_pass(target, held, 1, bs, f"{kind}: held-out labels", with_hidden=True)
     vocab_map = pick_vocab(tokenizer, train.cpu(), idx[..., 0].cpu(), min(int(recipe.vocab), target.config.vocab_size))
     to_sub = sub_index(vocab_map, target.config.vocab_size).to(device)
 
