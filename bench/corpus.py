@@ -46,6 +46,15 @@ def wiki_articles(limit: int = 200, min_chars: int = 2000) -> tuple[str, ...]:
     return tuple(out)
 
 
+CORPORA = ("lee", "wiki", "lee+wiki")
+
+
+def check_corpus(name: str, key: str = "method.corpus") -> None:
+    """One sentence naming the valid packaged corpora, before any text is read."""
+    if name not in CORPORA:
+        raise BenchError(f"{key} '{name}' is not a packaged corpus; use {', '.join(CORPORA)}.")
+
+
 def corpus(name: str, split: str = "train") -> tuple[str, ...]:
     """Documents of a named corpus: ``lee``, ``wiki`` or ``lee+wiki``."""
     parts = name.split("+")

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from bench.corpus import check_corpus
 from bench.counting import truncate_cache
 from bench.errors import BenchError
 from bench.metrics import ratio
@@ -46,7 +47,6 @@ DEFAULT_K = {
     3: [[4, 1], [3]],  # target <- 4 draft + 1 stat; draft <- 3 stat
     4: [[4, 2, 1], [2, 1], [1]],  # target <- 4 draft + 2 draft2 + 1 stat; draft <- 2 draft2 + 1 stat; draft2 <- 1 stat
 }
-_CORPORA = ("lee", "wiki", "lee+wiki")
 
 
 class ModelLevel:
@@ -104,8 +104,7 @@ class Cascade(Method):
         check_ngram_settings(cfg)
         if int(cfg.lenience) < 1:
             raise BenchError(f"method.lenience must be at least 1 (1 = strict inner reviews), got {cfg.lenience}.")
-        if cfg.corpus not in _CORPORA:
-            raise BenchError(f"method.corpus '{cfg.corpus}' is not a packaged corpus; use {', '.join(_CORPORA)}.")
+        check_corpus(cfg.corpus)
         k = cfg.get("k_matrix")
         if k is None:
             return

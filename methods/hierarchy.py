@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from bench.corpus import check_corpus
 from bench.counting import truncate_cache
 from bench.errors import BenchError
 from bench.metrics import ratio
@@ -39,7 +40,6 @@ from methods.base import Decoded, Method
 from methods.pld import check_ngram_settings
 
 DATABASES = ("context", "model", "statistics")
-_CORPORA = ("lee", "wiki", "lee+wiki")
 
 
 class TokenTree:
@@ -150,8 +150,7 @@ class Hierarchy(Method):
         for key in ("draft_len", "num_candidates"):
             if int(cfg[key]) < 1:
                 raise BenchError(f"method.{key} must be at least 1, got {cfg[key]}.")
-        if cfg.corpus not in _CORPORA:
-            raise BenchError(f"method.corpus '{cfg.corpus}' is not a packaged corpus; use {', '.join(_CORPORA)}.")
+        check_corpus(cfg.corpus)
         bad = [db for db in cfg.databases if db not in DATABASES]
         if bad or not cfg.databases:
             raise BenchError(f"method.databases must list some of {', '.join(DATABASES)}, got {list(cfg.databases)}.")
