@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable
 
 import torch
@@ -65,7 +66,7 @@ class Method:
 
     # Shared helpers -----------------------------------------------------------------------------------
 
-    @property
+    @cached_property  # read at every decoding step: the tokenizer and generation config do not change
     def eos_ids(self) -> set[int]:
         tok = self.pair.tokenizer
         ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
