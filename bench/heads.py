@@ -12,6 +12,11 @@ vocabulary, as in :mod:`bench.distill`), so an untrained head already proposes t
 guess. Candidates outside the reduced vocabulary are never proposed; the target verifies every candidate,
 so decoding stays lossless.
 
+Hydra++'s prefix attention layer (Ankner et al. 2024, Sec. 5; ``recipe.prefix_layer: true``, the default of
+``hydra_pp`` only): one more decoder layer of the target's own architecture (:class:`PrefixLayer`) reads the
+target's last hidden states of the whole sequence, and its output at position t replaces h_t as the heads'
+input. It keeps a KV cache of its own while decoding and is trained jointly with the heads.
+
 Training is self-distillation with the target frozen and teacher-forced on packaged text: the label of
 head k at position t is the target's own next-token distribution at position t + k + 1 -- its greedy token
 (``loss: top1``) or its top-k distribution (``loss: teacher``, Hydra++'s teacher distillation).
@@ -30,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from bench.corpus import corpus
-from bench.counting import CountedModule
+from bench.counting import Counted, CountedModule
 from bench.distill import pick_vocab, sub_index, target_identity, teacher_pass, token_chunks
 from bench.errors import BenchError
 from bench.models import atomic_dir, recipe_key
@@ -109,6 +114,77 @@ class CountedHeads(CountedModule):
         return self.module(hidden, path_emb)
 
 
+def prefix_config(target_config):
+    """The target's config cut to one decoder layer (its last), with a one-row token embedding: the prefix
+    layer is fed hidden states, never token ids, so a vocabulary-sized table would be dead weight."""
+    config = target_config.__class__.from_dict(target_config.to_dict())
+    config.num_hidden_layers = 1
+    if getattr(config, "layer_types", None) is not None:  # per-layer lists shrink with the layer count
+        config.layer_types = [config.layer_types[-1]]
+    config.vocab_size = 1
+    config.pad_token_id = config.bos_token_id = config.eos_token_id = None  # ids outside a 1-row table
+    config._attn_implementation = target_config._attn_implementation
+    return config
+
+
+def _layer_list(body: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The decoder's list of layers (``layers`` in Llama-likes, ``h`` in GPT-2): its one ``ModuleList`` child."""
+    return next((name, m) for name, m in body.named_children() if isinstance(m, nn.ModuleList))
+
+
+class PrefixLayer(nn.Module):
+    """Hydra++'s prefix attention layer: ``hidden + gamma * L(hidden)``.
+
+    ``L`` is a one-layer decoder of the target's own class (attention over the sequence so far + MLP, the
+    target's final norm), fed the target's last hidden states as input embeddings; ``gamma (hidden,)`` starts
+    at zero, so an untrained layer passes the target's hidden state through and the heads start exactly where
+    Hydra's do. :meth:`from_target` initialises ``L`` from the target's last layer and final norm.
+    """
+
+    def __init__(self, target_config):
+        super().__init__()
+        from transformers import AutoModel
+
+        self.config = prefix_config(target_config)
+        self.body = AutoModel.from_config(self.config).float()
+        self.gamma = nn.Parameter(torch.zeros(self.config.hidden_size))
+
+    @classmethod
+    def from_target(cls, target) -> "PrefixLayer":
+        layer = cls(target.config)
+        src = target.base_model
+        name, mine = _layer_list(layer.body)
+        mine[0].load_state_dict(_layer_list(src)[1][-1].state_dict())
+        theirs = src.state_dict()
+        with torch.no_grad():  # the final norm (and GPT-2's position table): same name, same shape
+            for key, value in layer.body.state_dict().items():
+                if not key.startswith(name + ".") and key in theirs and theirs[key].shape == value.shape:
+                    value.copy_(theirs[key])
+        return layer
+
+    def forward(self, hidden: torch.Tensor, cache=None) -> torch.Tensor:
+        """``(B, n, hidden) -> (B, n, hidden)``, causal, at positions ``len(cache) .. len(cache) + n - 1``.
+
+        ``cache``: a transformers ``Cache`` holding the layer's keys and values of the earlier positions,
+        extended in place (``None`` when the whole sequence is given at once, as in training).
+        """
+        out = self.body(inputs_embeds=hidden, past_key_values=cache, use_cache=cache is not None)
+        return hidden + self.gamma * out.last_hidden_state
+
+
+class CountedPrefix(Counted):
+    """The ``prefix`` role: ``layer(hidden (B, n, hidden), cache)``, one decoder layer whose n query positions
+    attend to the cache and to themselves (FLOPs by :mod:`bench.flops`, as for any model)."""
+
+    def __init__(self, layer: PrefixLayer, role: str = "prefix"):
+        super().__init__(layer, role, layer.config)
+
+    def __call__(self, hidden: torch.Tensor, cache) -> torch.Tensor:
+        batch, new = hidden.shape[:2]
+        self._count(batch, new, cache.get_seq_length() + new)
+        return self.module(hidden, cache)
+
+
 # --------------------------------------------------------------------------------------------- training
 
 
@@ -123,9 +199,13 @@ def head_logits(heads: Heads, k: int, hidden: torch.Tensor, chunks: torch.Tensor
     return heads.head(k, h, emb)
 
 
-def heads_loss(heads: Heads, hidden, chunks, idx, prob, to_sub, loss: str, embed, decay: float) -> torch.Tensor:
+def heads_loss(heads: Heads, hidden, chunks, idx, prob, to_sub, loss: str, embed, decay: float,
+               prefix: PrefixLayer | None = None) -> torch.Tensor:
     """Sum over heads of ``decay**k`` times head k's cross-entropy against the target at position t + k + 1,
-    restricted to the reduced vocabulary (labels outside it are dropped / renormalised away)."""
+    restricted to the reduced vocabulary (labels outside it are dropped / renormalised away). With a
+    ``prefix`` layer the heads read its output over ``hidden`` (trained jointly, through this loss)."""
+    if prefix is not None:
+        hidden = prefix(hidden)
     total = hidden.new_zeros(())
     for k in range(heads.num_heads):
         logq = torch.log_softmax(head_logits(heads, k, hidden, chunks, embed).float(), -1)
@@ -144,24 +224,25 @@ def heads_loss(heads: Heads, hidden, chunks, idx, prob, to_sub, loss: str, embed
 
 
 @torch.no_grad()
-def head_agreement(heads: Heads, hidden, chunks, top1, embed, batch_size: int) -> list[float]:
+def head_agreement(heads: Heads, hidden, chunks, top1, embed, batch_size: int,
+                   prefix: PrefixLayer | None = None) -> list[float]:
     """Per head: fraction of held-out positions where head k's greedy token equals the target's greedy token
     k + 1 steps after its next one (teacher-forced: the acceptance rate of a depth-(k+1) chain node whose
     ancestors were accepted)."""
-    rates = []
-    for k in range(heads.num_heads):
-        hits = total = 0
-        for s in range(0, len(chunks), batch_size):
-            b = slice(s, s + batch_size)
-            pred = heads.vocab_map[head_logits(heads, k, hidden[b], chunks[b], embed).argmax(-1)]
-            hits += (pred == top1[b, k + 1 :]).sum().item()
-            total += pred.numel()
-        rates.append(round(hits / max(total, 1), 4))
-    return rates
+    hits, total = [0] * heads.num_heads, [0] * heads.num_heads
+    for s in range(0, len(chunks), batch_size):
+        b = slice(s, s + batch_size)
+        h = hidden[b] if prefix is None else prefix(hidden[b])
+        for k in range(heads.num_heads):
+            pred = heads.vocab_map[head_logits(heads, k, h, chunks[b], embed).argmax(-1)]
+            hits[k] += (pred == top1[b, k + 1 :]).sum().item()
+            total[k] += pred.numel()
+    return [round(h / max(n, 1), 4) for h, n in zip(hits, total)]
 
 
-def train_heads(target, tokenizer, kind: str, recipe: DictConfig) -> tuple[Heads, dict]:
-    """Train K heads of ``kind`` on the frozen target (fp32, CPU or wherever it lives); returns them and a report."""
+def train_heads(target, tokenizer, kind: str, recipe: DictConfig) -> tuple[Heads, PrefixLayer | None, dict]:
+    """Train K heads of ``kind`` (and the prefix layer, when the recipe asks for one) on the frozen target
+    (fp32, CPU or wherever it lives); returns them (on the CPU) and a report."""
     torch.manual_seed(int(recipe.seed))
     if next(target.parameters()).dtype != torch.float32:
         target = copy.deepcopy(target).float()  # train in fp32 without changing the pair's target
@@ -182,23 +263,29 @@ def train_heads(target, tokenizer, kind: str, recipe: DictConfig) -> tuple[Heads
     heads = Heads(kind, target.config.hidden_size, K, vocab_map).to(device)
     for proj in heads.proj:
         proj.weight.data.copy_(target.get_output_embeddings().weight.data[vocab_map.to(device)])
-    report = {"agreement_before": head_agreement(heads, held_hidden, held, held_idx[..., 0], embed, bs)}
-    params = [p for p in heads.parameters() if p.requires_grad]
-    heads.train()
+    prefix = PrefixLayer.from_target(target).to(device) if recipe.get("prefix_layer", False) else None
+    modules = [heads] + ([prefix] if prefix is not None else [])
+    report = {"agreement_before": head_agreement(heads, held_hidden, held, held_idx[..., 0], embed, bs, prefix)}
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    for m in modules:
+        m.train()
     fit(params, lambda: torch.randperm(len(train)).split(bs),
-        lambda b: heads_loss(heads, hidden[b], train[b], idx[b], prob[b], to_sub, recipe.loss, embed, float(recipe.decay)),
+        lambda b: heads_loss(heads, hidden[b], train[b], idx[b], prob[b], to_sub, recipe.loss, embed,
+                             float(recipe.decay), prefix),
         epochs=int(recipe.epochs), steps_per_epoch=math.ceil(len(train) / bs), lr=float(recipe.lr),
-        desc=f"{kind}: training {K} heads")
-    heads.eval()
+        desc=f"{kind}: training {K} heads" + (" and the prefix layer" if prefix is not None else ""))
+    for m in modules:
+        m.eval()
     report.update(
         # Per head k: P(head k's top-1 == the target's greedy token k + 1 steps after its next one), held out.
-        agreement_after=head_agreement(heads, held_hidden, held, held_idx[..., 0], embed, bs),
+        agreement_after=head_agreement(heads, held_hidden, held, held_idx[..., 0], embed, bs, prefix),
+        prefix_layer=prefix is not None,
         train_tokens=train.numel(),
         heldout_tokens=held.numel(),
         vocab=int(vocab_map.numel()),
         vocab_coverage=round(float((to_sub[held_idx[..., 0]] >= 0).float().mean()), 4),
     )
-    return heads.cpu(), report
+    return heads.cpu(), (prefix.cpu() if prefix is not None else None), report
 
 
 # --------------------------------------------------------------------------------------------- caching
@@ -209,23 +296,27 @@ def heads_dir(target, kind: str, recipe: DictConfig, cache: Path) -> Path:
     heads trained on the fp32 CPU target are found again when the target runs in bf16 on a GPU."""
     emb = target.get_input_embeddings().weight.detach()[:64]
     ident = {**target_identity(target), "checksum": round(float(emb.bfloat16().double().sum()), 4)}
-    return cache / "heads" / f"{kind}-{ident['name']}-{recipe_key(ident, kind, recipe)}"
+    keyed = OmegaConf.to_container(recipe, resolve=True)
+    if not keyed.get("prefix_layer", False):
+        keyed.pop("prefix_layer", None)  # heads cached before the switch existed keep their folders
+    return cache / "heads" / f"{kind}-{ident['name']}-{recipe_key(ident, kind, keyed)}"
 
 
 def load_or_train_heads(target, tokenizer, kind: str, recipe: DictConfig, cache: Path,
-                        train_if_missing: bool = True) -> tuple[Heads, dict]:
+                        train_if_missing: bool = True) -> tuple[Heads, PrefixLayer | None, dict]:
     """The cached heads for (target, kind, recipe), trained first when missing and ``train_if_missing``.
 
-    Returns the heads (on the CPU, fp32) and their training report.
+    Returns the heads, the prefix layer (``None`` unless ``recipe.prefix_layer``), both on the CPU in fp32,
+    and their training report.
     """
     folder = heads_dir(target, kind, recipe, cache)
     if not (folder / "heads.pt").is_file():
         if not train_if_missing:
             raise BenchError(f"no trained {kind} heads cached at {folder}; run 'python -m bench train heads method={kind}'.")
-        heads, report = train_heads(target, tokenizer, kind, recipe)
+        heads, prefix, report = train_heads(target, tokenizer, kind, recipe)
         with atomic_dir(folder) as tmp:
             blob = {"kind": kind, "hidden": heads.blocks[0].linear.out_features, "num_heads": heads.num_heads,
-                    "state": heads.state_dict()}
+                    "state": heads.state_dict(), "prefix": prefix.state_dict() if prefix is not None else None}
             torch.save(blob, tmp / "heads.pt")
             meta = {"kind": kind, "recipe": OmegaConf.to_container(recipe, resolve=True), "report": report}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
@@ -234,7 +325,14 @@ def load_or_train_heads(target, tokenizer, kind: str, recipe: DictConfig, cache:
         blob = torch.load(folder / "heads.pt", map_location="cpu", weights_only=True)
         heads = Heads(blob["kind"], blob["hidden"], blob["num_heads"], blob["state"]["vocab_map"])
         heads.load_state_dict(blob["state"])
+        prefix = None
+        if blob.get("prefix") is not None:
+            prefix = PrefixLayer(target.config)
+            prefix.load_state_dict(blob["prefix"])
         report = json.loads((folder / "meta.json").read_text())["report"]
     except Exception as err:  # noqa: BLE001 - any unreadable file is the same problem for the user
         raise BenchError(f"the cached {kind} heads at {folder} are corrupt ({type(err).__name__}); delete that folder to retrain them.") from None
-    return heads.eval(), report
+    if (prefix is not None) != bool(recipe.get("prefix_layer", False)):
+        raise BenchError(f"the cached {kind} heads at {folder} {'have' if prefix is not None else 'lack'} a prefix layer, "
+                         f"unlike method.recipe.prefix_layer; delete that folder to retrain them.")
+    return heads.eval(), (prefix.eval() if prefix is not None else None), report

@@ -5,6 +5,9 @@ candidate tree rooted at the pending token (committed, not yet in the KV cache);
 node under a tree attention mask (:func:`bench.tree.score_tree`); the longest path matching the target's
 greedy choice stands, plus the target's own next token; the cache keeps that path's entries only
 (:func:`bench.tree.keep_path`), and the hidden state of the path's last node feeds the next step's heads.
+With ``recipe.prefix_layer`` (Hydra++) the path's hidden states go through the prefix layer first
+(:meth:`TreeHeadsMethod.heads_input`), which keeps a KV cache of its own over the committed positions; it is
+the counted role ``prefix``. Either way the target runs once per step.
 
 - Greedy (``temperature: 0``): lossless, equal to ``ar`` token for token.
 - ``typical: true`` with ``temperature > 0``: Medusa's typical acceptance over the tree -- LOSSY
@@ -22,7 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from bench.errors import BenchError
-from bench.heads import KINDS, LOSSES, CountedHeads, load_or_train_heads
+from bench.heads import KINDS, LOSSES, CountedHeads, CountedPrefix, load_or_train_heads
 from bench.sampling import next_token
 from bench.tree import Tree, greedy_path, keep_path, score_tree, typical_path
 from bench.verify import verify_chain
@@ -43,6 +46,7 @@ class TreeHeadsMethod(Method):
             self.lossless = False  # typical acceptance keeps tokens the target would not have produced
         self.report: dict = {}
         self.heads: CountedHeads | None = None
+        self.prefix: CountedPrefix | None = None
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -57,6 +61,8 @@ class TreeHeadsMethod(Method):
             raise BenchError(f"method.recipe.loss must be one of {', '.join(LOSSES)}, got '{recipe.loss}'.")
         if not float(recipe.lr) > 0:
             raise BenchError(f"method.recipe.lr must be > 0, got {recipe.lr}.")
+        if not isinstance(recipe.get("prefix_layer", False), bool):
+            raise BenchError(f"method.recipe.prefix_layer must be true or false, got {recipe.get('prefix_layer')!r}.")
         tree = Tree.from_paths(cfg.tree)
         if len(tree) == 1:
             raise BenchError("method.tree must hold at least one path.")
@@ -70,13 +76,31 @@ class TreeHeadsMethod(Method):
         if self.kind not in KINDS:
             raise BenchError(f"unknown heads kind '{self.kind}'; use one of {', '.join(KINDS)}.")
         target = self.pair.target.module
-        heads, self.report = load_or_train_heads(target, self.pair.tokenizer, self.kind, self.cfg.recipe,
-                                                 self.pair.cache, train_if_missing)
+        heads, prefix, self.report = load_or_train_heads(target, self.pair.tokenizer, self.kind, self.cfg.recipe,
+                                                         self.pair.cache, train_if_missing)
         if heads.num_heads < self.tree.max_depth or heads.blocks[0].linear.out_features != target.config.hidden_size:
             raise BenchError(f"the cached {self.kind} heads do not fit this target and tree; delete them to retrain.")
         # Registered as a role so the harness counts the heads' calls and FLOPs like any model's.
         self.heads = self.pair.add(CountedHeads(heads.to(device=self.pair.device, dtype=self.pair.dtype), "heads"))
+        if prefix is not None:
+            self.prefix = self.pair.add(CountedPrefix(prefix.to(device=self.pair.device, dtype=self.pair.dtype), "prefix"))
         self.embed = target.get_input_embeddings()
+
+    def heads_input(self, hiddens: torch.Tensor, memory) -> torch.Tensor:
+        """What the heads read once the target has committed more positions.
+
+        Args:
+            hiddens: ``(n, hidden)`` the target's last hidden states at the n positions just committed, in
+                order: the prompt at the prefill, the accepted path (root first) after a tree step.
+            memory: the prefix layer's KV cache for this decode (``None`` without a prefix layer); it is
+                extended by these n positions, so no position is ever fed twice.
+        Returns:
+            ``(hidden,)``: the target's hidden state at the last committed position, or the prefix layer's
+            output there.
+        """
+        if self.prefix is None:
+            return hiddens[-1]
+        return self.prefix(hiddens.unsqueeze(0), memory)[0, -1]
 
     def propose(self, hidden: torch.Tensor, pending: int, tree: Tree) -> torch.Tensor:
         """Fill ``tree`` with candidates.
@@ -96,12 +120,14 @@ class TreeHeadsMethod(Method):
         typical = bool(self.cfg.get("typical", False)) and not sampling.greedy
         base = self.tree if sampling.greedy or typical else self.chain
         cache = DynamicCache()
+        memory = DynamicCache() if self.prefix is not None else None  # the prefix layer's own KV cache
         out = target(prompt_ids, cache, logits_to_keep=1, output_hidden_states=True)
-        hidden = out.hidden_states[-1][0, -1]
         first = int(next_token(out.logits[0, -1], sampling, generator))
         emitted = [first]
         on_tokens(1)
         emitted, done = self.finish(emitted, max_new_tokens)
+        if not done:
+            hidden = self.heads_input(out.hidden_states[-1][0], memory)
         accept_lengths, drafted, nodes, depths = [], [], [], []
         while not done:
             # Never propose past the token budget: the target's own token fills the last slot.
@@ -119,7 +145,6 @@ class TreeHeadsMethod(Method):
                 n, nxt = verify_chain(tokens[1:], onehot, logits, sampling, generator)
                 path = list(range(n + 1))  # a chain's nodes are in path order
             keep_path(cache, past, path)
-            hidden = hiddens[path[-1]]
             committed = tokens[path[1:]].tolist() + [nxt]
             emitted.extend(committed)
             accept_lengths.append(len(committed))
@@ -129,6 +154,8 @@ class TreeHeadsMethod(Method):
             before = len(emitted)
             emitted, done = self.finish(emitted, max_new_tokens)
             on_tokens(len(committed) - (before - len(emitted)))
+            if not done:  # the heads' input for the next step (nothing to run after the last one)
+                hidden = self.heads_input(hiddens[path], memory)
         extra = {
             "tree_size": len(base),  # tokens the target scores per call (root included), before budget pruning
             "tree_tokens_per_call": sum(nodes) / len(nodes) if nodes else float("nan"),  # as actually scored

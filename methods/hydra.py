@@ -4,8 +4,10 @@ depth by depth, each head run once per parent node; verified in one target forwa
 (:mod:`methods._tree_heads`, :mod:`bench.tree`).
 
 Hydra++ (``method=hydra_pp``): the same heads trained with the teacher-distillation loss (the target's
-top-k distribution instead of its greedy token; :mod:`bench.heads`). Its extra prefix attention layer is
-not implemented.
+top-k distribution instead of its greedy token) and reading the output of the prefix attention layer
+(``recipe.prefix_layer``: one more decoder layer over the target's hidden states of the whole sequence,
+trained jointly with the heads; :class:`bench.heads.PrefixLayer`, fed by
+:meth:`methods._tree_heads.TreeHeadsMethod.heads_input`).
 """
 
 from __future__ import annotations
@@ -53,4 +55,5 @@ class Hydra(TreeHeadsMethod):
 
 @register("hydra_pp")
 class HydraPP(Hydra):
-    """Hydra++: Hydra's heads and decoding; only the training recipe differs (configs/method/hydra_pp.yaml)."""
+    """Hydra++: Hydra's heads and decoding; the recipe (configs/method/hydra_pp.yaml) adds the teacher loss and
+    the prefix layer, which the shared loop runs when the recipe has one."""

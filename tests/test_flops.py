@@ -47,3 +47,19 @@ def test_logits_to_keep_is_accounted():
     lm.reset()
     lm(ids, DynamicCache(), logits_to_keep=1)
     assert lm.flops == pytest.approx(measured, rel=0.02)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_prefix_layer_formula_matches_flop_counter(name):
+    """Hydra++'s prefix layer (one decoder layer over hidden states, with its own cache) is counted by the
+    same formula: its prefill and a later multi-token step agree with torch's count."""
+    from bench.heads import CountedPrefix, PrefixLayer
+
+    layer = CountedPrefix(PrefixLayer.from_target(_models()[name]).eval())
+    cache = DynamicCache()
+    for new in (9, 3):
+        hidden = torch.randn(1, new, 64)
+        layer.reset()
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            layer(hidden, cache)
+        assert layer.calls == 1 and layer.flops == pytest.approx(counter.get_total_flops(), rel=0.02)

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 from bench.cli import CONFIG_DIR
 from bench.errors import BenchError
 from bench.registry import get_method
+from bench.sampling import Sampling
 from bench.tree import Tree, greedy_path, keep_path, score_tree
 from tests.helpers import decode, prompts_for
 
@@ -42,6 +43,8 @@ def test_heads_equal_ar_greedy(pair, name):
         assert out.output_ids == ar.output_ids
         assert sum(out.accept_lengths) + 1 == len(out.output_ids)
         assert out.extra["tree_size"] == 20 and len(out.extra["accept_at_depth"]) == 4
+    # Hydra++ runs its prefix layer (a role of its own); the others have none.
+    assert (pair.counts().get("prefix", {}).get("calls", 0) > 0) == (name == "hydra_pp")
 
 
 def test_heads_equal_ar_with_a_wide_odd_tree(pair):
@@ -67,6 +70,79 @@ def test_heads_are_counted_and_report_agreement(pair):
     steps = len(out.accept_lengths)
     assert counts["target"]["calls"] == steps + 1  # prefill + ONE forward per tree
     assert counts["heads"]["calls"] > 0 and counts["heads"]["flops"] > 0
+
+
+def _hydra_pp(pair):
+    method = get_method("hydra_pp")(OmegaConf.create({"name": "hydra_pp", **method_cfg("hydra_pp")}), pair)
+    method.setup()
+    return method
+
+
+def test_prefix_layer_is_counted_as_its_own_role(pair):
+    method = _hydra_pp(pair)
+    assert method.report["prefix_layer"] is True and len(method.report["agreement_after"]) == 4
+    assert method.prefix.module.gamma.abs().sum() > 0  # trained with the heads: no longer the identity
+    ids = prompts_for(pair, 1)[0]
+    pair.reset_counts()
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        out = method.decode(torch.tensor([ids]), 30, Sampling(0.0, 1.0), gen, lambda n: None)
+    counts = pair.counts()
+    steps = len(out.accept_lengths)
+    assert steps > 1 and counts["target"]["calls"] == steps + 1  # still ONE target forward per tree
+    # Fed once after the prefill and after every step but the last: each committed position exactly once.
+    assert counts["prefix"]["calls"] == steps
+    assert counts["prefix"]["tokens"] == len(ids) + sum(out.accept_lengths[:-1])
+    assert counts["prefix"]["flops"] > 0
+    assert counts["prefix"]["flops"] < counts["target"]["flops"]  # one layer, no output head
+
+
+def test_untrained_prefix_layer_is_the_identity(tiny_pair):
+    from bench.heads import PrefixLayer
+
+    layer = PrefixLayer.from_target(tiny_pair.target.module)
+    hidden = torch.randn(2, 7, 64)
+    with torch.no_grad():
+        assert torch.equal(layer(hidden), hidden)  # so untrained Hydra++ heads start where Hydra's do
+        layer.gamma.fill_(1.0)
+        assert not torch.allclose(layer(hidden), hidden)
+
+
+def test_prefix_layer_cache_equals_the_whole_sequence_at_once(tiny_pair):
+    from bench.heads import PrefixLayer
+
+    torch.manual_seed(0)
+    layer = PrefixLayer.from_target(tiny_pair.target.module).eval()
+    torch.nn.init.normal_(layer.gamma)  # far from the identity, so the attention's output matters
+    hidden = torch.randn(1, 23, 64)
+    with torch.no_grad():
+        whole = layer(hidden)
+        cache = DynamicCache()
+        parts = [layer(hidden[:, a:b], cache) for a, b in [(0, 9), (9, 10), (10, 14), (14, 15), (15, 23)]]
+    assert cache.get_seq_length() == 23
+    torch.testing.assert_close(torch.cat(parts, dim=1), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_layer_while_decoding_equals_it_over_the_committed_sequence(pair):
+    """The heads' input at every step equals the prefix layer run over the target's hidden states of the
+    whole committed sequence at once: the layer's cache holds exactly the committed positions, in order."""
+    method = _hydra_pp(pair)
+    with torch.no_grad():
+        torch.nn.init.normal_(method.prefix.module.gamma)
+    seen = []
+    inner = method.heads_input
+    method.heads_input = lambda hiddens, memory: seen.append(inner(hiddens, memory)) or seen[-1]
+    ids = prompts_for(pair, 1)[0]
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        out = method.decode(torch.tensor([ids]), 40, Sampling(0.0, 1.0), gen, lambda n: None)
+        seq = torch.tensor([ids + out.output_ids])
+        hidden = pair.target.module(seq, output_hidden_states=True).hidden_states[-1]
+        whole = method.prefix.module(hidden)[0]
+    # After the prefill the last committed position is the prompt's last; after step i, i accept lengths on.
+    ends = [len(ids) - 1] + [len(ids) - 1 + sum(out.accept_lengths[: i + 1]) for i in range(len(out.accept_lengths) - 1)]
+    assert len(seen) == len(ends) > 2
+    torch.testing.assert_close(torch.stack(seen), whole[ends], atol=1e-4, rtol=1e-4)
 
 
 def test_tree_logits_equal_each_path_scored_alone(tiny_pair):
@@ -138,6 +214,7 @@ def test_sampling_falls_back_to_a_lossless_chain_and_typical_is_lossy(pair):
     ({"tree": "wide"}, "list of lists"),
     ({"recipe": {"loss": "mse"}}, "recipe.loss"),
     ({"recipe": {"num_heads": 0}}, "num_heads"),
+    ({"recipe": {"prefix_layer": "yes"}}, "prefix_layer"),
     ({"posterior_alpha": 2.0}, "posterior_alpha"),
 ])
 def test_bad_settings_raise_one_sentence(compose_cfg, over, words):
@@ -161,3 +238,31 @@ def test_corrupt_heads_cache_is_one_sentence(tmp_path, tiny_pair):
     (folder / "heads.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(BenchError, match="corrupt"):
         load_or_train_heads(target, tiny_pair.tokenizer, "medusa", recipe, tmp_path)
+
+
+def test_heads_cache_without_the_recipes_prefix_layer_is_one_sentence(tmp_path, tiny_pair):
+    """A heads file that lacks (or carries a broken) prefix layer the recipe asks for: one sentence, no traceback."""
+    from bench.heads import Heads, PrefixLayer, heads_dir, load_or_train_heads
+
+    target = tiny_pair.target.module
+    recipe = OmegaConf.create(method_cfg("hydra_pp")["recipe"])
+    heads = Heads("hydra", 64, 4, torch.arange(200))
+    folder = heads_dir(target, "hydra", recipe, tmp_path)
+    folder.mkdir(parents=True)
+    (folder / "meta.json").write_text('{"report": {}}')
+    blob = {"kind": "hydra", "hidden": 64, "num_heads": 4, "state": heads.state_dict(), "prefix": None}
+    torch.save(blob, folder / "heads.pt")
+    with pytest.raises(BenchError, match=r"lack a prefix layer, unlike method.recipe.prefix_layer; delete that folder"):
+        load_or_train_heads(target, tiny_pair.tokenizer, "hydra", recipe, tmp_path, train_if_missing=False)
+    state = PrefixLayer.from_target(target).state_dict()
+    state["gamma"] = torch.zeros(65)  # saved for another target
+    torch.save({**blob, "prefix": state}, folder / "heads.pt")
+    with pytest.raises(BenchError, match="corrupt"):
+        load_or_train_heads(target, tiny_pair.tokenizer, "hydra", recipe, tmp_path, train_if_missing=False)
+    torch.save({**blob, "prefix": PrefixLayer.from_target(target).state_dict()}, folder / "heads.pt")
+    no_prefix = OmegaConf.merge(recipe, {"prefix_layer": False})
+    nofolder = heads_dir(target, "hydra", no_prefix, tmp_path)
+    nofolder.parent.mkdir(parents=True, exist_ok=True)
+    folder.rename(nofolder)  # a file with a prefix layer where the recipe has none
+    with pytest.raises(BenchError, match="have a prefix layer"):
+        load_or_train_heads(target, tiny_pair.tokenizer, "hydra", no_prefix, tmp_path, train_if_missing=False)
