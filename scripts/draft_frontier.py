@@ -1,0 +1,155 @@
+"""Can a draft made from the target's own first k layers make speculative decoding pay on this machine?
+
+  python scripts/draft_frontier.py [--prompts 32] [--held-out 8] [--depths 1,2,4,...] [hydra overrides]
+
+Measured in one run, on the pair's target (default: SmolLM2-135M-Instruct, fp32):
+
+- ``alpha(k)``: greedy agreement with the target, on held-out target answers, of a linear exit at layer k:
+  a ridge-regression translator from the layer-k residual state to the target's final (normed) state,
+  followed by the target's own output head ("tuned lens", Belrose et al. 2023). It needs no gradient
+  training, so it is cheap enough to fit at every depth; a k-layer draft distilled for minutes lands in
+  the same range (README: 0.21-0.29 at k = 4), so read it as what depth k knows, not as a bound.
+  ``logit_lens``: the same without the translator (the target's norm and head on layer k directly).
+- ``c(k)``: time of a one-token forward through the first k layers with an 8,192-token head (the shape of
+  the harness's distilled draft, bench/distill.py), over the target's one-token forward.
+- ``r(T)``: time of a T-token target forward over a one-token one: verifying a draft is not free here.
+- ``best_speedup(k)``: max over gamma of Leviathan et al.'s expected speedup with that verification cost,
+  E[tokens](alpha, gamma) / (gamma c + r(gamma + 1)).
+
+The fit uses the target's greedy answers to packaged instructions (the text greedy SD actually sees) plus
+Lee news text, teacher-forced; answers to the last ``--held-out`` instructions are only scored. Prints a
+table and writes results/draft_frontier/<time>.json with provenance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import metrics  # noqa: E402
+from bench.cli import compose  # noqa: E402
+from bench.corpus import corpus, instruction_prompts  # noqa: E402
+from bench.distill import draft_from_target, target_answers, token_chunks  # noqa: E402
+from bench.models import load_pair  # noqa: E402
+from bench.results import provenance, write_json_atomic  # noqa: E402
+from bench.runner import clocked  # noqa: E402
+
+
+@torch.no_grad()
+def layer_states(target, ids: torch.Tensor, positions: torch.Tensor):
+    """Residual states of every layer and the target's greedy token at ``positions`` of ``ids (1, T)``.
+
+    Returns ``(states, top1)``: a list of ``n_layer + 1`` tensors ``(P, hidden)`` (embeddings first, the final
+    normed state last) and ``LongTensor (P,)``.
+    """
+    out = target(ids, output_hidden_states=True)
+    return [h[0, positions] for h in out.hidden_states], out.logits[0, positions].argmax(-1)
+
+
+def answer_states(target, answers):
+    """Stacked :func:`layer_states` over the answer positions of ``(prompt, answer)`` pairs."""
+    parts = []
+    for prompt, answer in answers:
+        ids = torch.cat([prompt, answer]).unsqueeze(0)
+        # Position P-1+t predicts answer token t: those are the positions greedy SD drafts for.
+        parts.append(layer_states(target, ids, torch.arange(len(prompt) - 1, ids.shape[1] - 1)))
+    return [torch.cat(layer) for layer in zip(*(s for s, _ in parts))], torch.cat([t for _, t in parts])
+
+
+def exit_agreement(target, fit, held, k: int, ridge: float) -> tuple[float, float]:
+    """``(tuned_lens, logit_lens)`` greedy agreement at layer k on the held-out positions."""
+    (fit_states, _), (held_states, held_top1) = fit, held
+
+    def with_bias(x):
+        return torch.cat([x, torch.ones(len(x), 1)], 1).double()
+
+    x = with_bias(fit_states[k])
+    # Ridge regression to the final normed state; the penalty scales with the sample count.
+    w = torch.linalg.solve(x.T @ x + ridge * len(x) * torch.eye(x.shape[1], dtype=x.dtype), x.T @ fit_states[-1].double())
+    head = target.get_output_embeddings()
+    tuned = head((with_bias(held_states[k]) @ w).float()).argmax(-1)
+    lens = head(target.model.norm(held_states[k])).argmax(-1)
+    return float((tuned == held_top1).float().mean()), float((lens == held_top1).float().mean())
+
+
+def one_step_ms(device, model, context: torch.Tensor, new_tokens: int, repeats: int) -> float:
+    """Median ms of a ``new_tokens``-token forward of ``model`` after a KV cache of ``context (1, T)``."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(context, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    step = context[:, -new_tokens:]
+    samples = []
+    for _ in range(repeats + 1):
+        _, seconds = clocked(device, model, step, past_key_values=cache, use_cache=True)
+        cache.crop(-new_tokens)
+        samples.append(seconds * 1e3)
+    return metrics.median(samples[1:])  # the first call is a warm-up
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=32, help="instructions the target answers (fit + held out)")
+    ap.add_argument("--held-out", type=int, default=8, help="of which are only scored")
+    ap.add_argument("--news-tokens", type=int, default=8192, help="Lee news tokens added to the fit")
+    ap.add_argument("--depths", default="1,2,3,4,6,8,10,12,15,18,21,24,27")
+    ap.add_argument("--max-gamma", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--ridge", type=float, default=1e-2)
+    args, overrides = ap.parse_known_args(argv)
+    cfg = compose(["pair.drafts=[]", *overrides])
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+    pair = load_pair(cfg)
+    target, device = pair.target.module.eval(), pair.device
+    depths = [int(k) for k in args.depths.split(",")]
+
+    prompts = instruction_prompts(args.prompts, int(cfg.seed))
+    answers = [(p.cpu(), a.cpu()) for p, a, _, _ in target_answers(target, pair.tokenizer, prompts, 16,
+                                                                   int(cfg.max_new_tokens), "frontier: target answers")]
+    fit_answers, held_answers = answers[: -args.held_out], answers[-args.held_out :]
+    news = token_chunks(pair.tokenizer, corpus("lee", "train"), 256, args.news_tokens)
+    fit = answer_states(target, fit_answers)
+    news_fit = [layer_states(target, row.unsqueeze(0), torch.arange(row.numel())) for row in news]
+    fit = ([torch.cat([a, *b]) for a, *b in zip(fit[0], *(s for s, _ in news_fit))],
+           torch.cat([fit[1], *(t for _, t in news_fit)]))
+    held = answer_states(target, held_answers)
+
+    context = torch.cat(held_answers[0]).unsqueeze(0).to(device)
+    target_ms = {t: one_step_ms(device, target, context, t, args.repeats) for t in range(1, args.max_gamma + 2)}
+    r = {t: ms / target_ms[1] for t, ms in target_ms.items()}  # verification cost of t tokens, in one-token forwards
+    rows = []
+    for k in depths:
+        tuned, lens = exit_agreement(target, fit, held, k, args.ridge)
+        draft = draft_from_target(target, list(range(k)), torch.arange(8192)).to(device).eval()
+        c = one_step_ms(device, draft, context, 1, args.repeats) / target_ms[1]
+        # E[tokens] / (gamma c + r(gamma + 1)) = analytic_speedup(alpha, gamma, c / r) / r
+        speedups = {g: metrics.analytic_speedup(tuned, g, c / r[g + 1]) / r[g + 1] for g in range(1, args.max_gamma + 1)}
+        gamma = max(speedups, key=speedups.get)
+        rows.append({"k": k, "alpha_tuned_lens": tuned, "alpha_logit_lens": lens, "c": c,
+                     "best_gamma": gamma, "best_speedup": speedups[gamma]})
+        print(f"k={k:2d}: alpha {tuned:.3f} (logit lens {lens:.3f})  c {c:.3f}  best {speedups[gamma]:.2f}x at gamma={gamma}", flush=True)
+
+    print(f"\ntarget one-token forward {target_ms[1]:.1f} ms; r(T) = " + ", ".join(f"{t}: {v:.2f}" for t, v in r.items()))
+    print(f"fit positions {len(fit[1])}, held-out answer positions {len(held[1])}\n")
+    print(tabulate(rows, headers="keys", floatfmt=".3f"))
+    out = ROOT / "results" / "draft_frontier" / f"{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    summary = {"target_ms": target_ms, "r": r, "rows": rows, "fit_positions": len(fit[1]),
+               "heldout_positions": len(held[1]), "args": vars(args)}
+    write_json_atomic(out, {"summary": summary, "provenance": provenance(cfg, device)})
+    print(json.dumps({"written": str(out)}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
