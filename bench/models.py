@@ -236,4 +236,10 @@ def load_pair(cfg: DictConfig, train_if_missing: bool = True) -> Pair:
         d = _load_draft(dspec, target, tokenizer, torch.float32, cache, train_if_missing)
         drafts.append(CountedLM(d.to(device=device, dtype=dtype).eval(), "draft" if i == 0 else f"draft{i + 1}"))
     target = CountedLM(target.to(device=device, dtype=dtype), "target")
+    if cfg.get("packed_linear", True) and device.type == "cpu" and dtype == torch.float32:
+        from bench.kernels import pack_linears
+
+        # After loading and any draft training: only inference forwards take the packed kernels.
+        for lm in (target, *drafts):
+            pack_linears(lm.module)
     return Pair(pair_cfg.name, tokenizer, target, drafts, device, dtype, cache, pair_cfg)
