@@ -53,6 +53,7 @@ def test_run_writes_records_and_provenance(tiny_run):
     (["pair=nope"], "unknown pair 'nope'"),
     (["dataset=nope"], "unknown dataset 'nope'"),
     (["method.gamma=0"], "method.gamma must be at least 1"),
+    (["method.confidence=1.5"], "method.confidence must be in [0, 1]"),
     (["temperature=-1"], "temperature must be >= 0"),
     (["max_new_tokens=0"], "max_new_tokens must be at least 1"),
     (["top_p=1.5"], "top_p must be in (0, 1]"),

@@ -26,6 +26,25 @@ def test_sd_equals_ar_with_adaptive_gamma(tiny_pair):
     assert sd.output_ids == ar.output_ids
 
 
+@pytest.mark.parametrize("confidence", [0.3, 1.0])
+def test_sd_with_a_confidence_stop_equals_ar_greedy(tiny_pair, confidence):
+    for ids in prompts_for(tiny_pair, 2):
+        ar = decode(tiny_pair, "ar", ids, max_new=40)
+        sd = decode(tiny_pair, "sd", ids, max_new=40, gamma=4, confidence=confidence)
+        assert sd.output_ids == ar.output_ids
+        assert all(1 <= k <= 4 for k in sd.drafted[:-1]) and len(sd.drafted) == len(sd.accept_lengths)
+        if confidence == 1.0:  # no draft token reaches probability 1: every draft stops after one token
+            assert set(sd.drafted) <= {0, 1}
+
+
+def test_sd_sampling_with_a_confidence_stop(tiny_pair):
+    ids = prompts_for(tiny_pair, 1)[0]
+    a = decode(tiny_pair, "sd", ids, max_new=20, temperature=0.8, seed=3, gamma=4, confidence=0.05)
+    b = decode(tiny_pair, "sd", ids, max_new=20, temperature=0.8, seed=3, gamma=4, confidence=0.05)
+    assert a.output_ids == b.output_ids and len(a.output_ids) == 20
+    assert all(k <= 4 for k in a.drafted)
+
+
 def test_sd_with_perfect_draft_takes_every_token(tiny_pair):
     """A draft identical to the target is always accepted: gamma + 1 tokens per target call."""
     pair = copy.copy(tiny_pair)
