@@ -201,13 +201,16 @@ def train_verifier(pair, recipe: DictConfig) -> tuple[Verifier, dict]:
 
 
 def pair_identity(pair) -> dict:
-    """What a verifier depends on: the target and draft specs (recipe included) and the draft's shape."""
+    """What a verifier depends on: the target and draft specs (recipe included), the draft's shape and a
+    checksum of its weights (a retrained draft, same recipe, must not reuse a verifier fitted to the old one;
+    taken after rounding to bf16, so the fp32 CPU and bf16 GPU copies of one draft share a verifier)."""
     draft = pair.draft.module
     spec = pair.spec
     return {
         "target": OmegaConf.to_container(spec.target, resolve=True),
         "draft": OmegaConf.to_container(spec.drafts[0], resolve=True),
         "draft_params": sum(p.numel() for p in draft.parameters()),
+        "draft_checksum": round(sum(float(p.detach().bfloat16().double().sum()) for p in draft.parameters()), 4),
         "draft_hidden": int(draft.config.hidden_size),
         "vocab": int(pair.target.module.config.vocab_size),
     }

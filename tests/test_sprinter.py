@@ -6,6 +6,7 @@ import copy
 
 import numpy as np
 import pytest
+import torch
 
 from bench.errors import BenchError
 from tests.helpers import decode, prompts_for
@@ -44,6 +45,21 @@ def test_training_reports_and_caches(tiny_pair):
     again.setup(train_if_missing=False)  # loads the cached one, does not retrain
     assert (folder / "verifier.pt").stat().st_mtime_ns == stamp and again.report == m.report
     assert "verifier" in tiny_pair.roles  # registered for counting
+
+
+def test_a_retrained_draft_gets_its_own_verifier(tiny_pair):
+    """Same recipe, other draft weights: the verifier cache key must change (it depends on the weights)."""
+    from bench.counting import CountedLM
+    from methods.sprinter import verifier_dir
+
+    recipe = sprinter(tiny_pair).cfg.verifier
+    other = copy.copy(tiny_pair)
+    draft = copy.deepcopy(tiny_pair.draft.module)
+    with torch.no_grad():
+        next(draft.parameters()).add_(0.01)
+    other.drafts = [CountedLM(draft, "draft")]
+    assert verifier_dir(other, recipe) != verifier_dir(tiny_pair, recipe)
+    assert verifier_dir(copy.copy(tiny_pair), recipe) == verifier_dir(tiny_pair, recipe)
 
 
 def test_sampling_labels_train(tiny_pair):
