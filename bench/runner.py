@@ -260,8 +260,8 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
             for name, rec in per_prompt.items():
                 if base is not None:
                     rec["speedup"] = 1.0 if rec is base else paired_speedup(base, rec)
-                    # Token-for-token equality with the baseline (only meaningful for lossless greedy runs).
-                    rec["matches_baseline"] = rec["output_ids"] == base["output_ids"]
+                    # Token-for-token equality with the baseline: greedy runs only (sampled outputs match by chance).
+                    rec["matches_baseline"] = rec["output_ids"] == base["output_ids"] if sampling.greedy else None
                 if not rec["lossless"]:
                     # Lossy output is scored against AR and the reference; untimed, and its one target
                     # forward is not counted (the counters are reset before the next timed decode).

@@ -91,3 +91,18 @@ def test_sd_sampling_with_one_token_of_budget_left(tiny_pair):
     for seed in (1, 5):
         out = decode(tiny_pair, "sd", ids, max_new=12, temperature=1.0, seed=seed, gamma=3)
         assert len(out.output_ids) == 12
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_matches_baseline_is_recorded_for_greedy_runs_only(compose_cfg, tmp_path, temperature):
+    import json
+
+    from bench.runner import run
+
+    cfg = compose_cfg("pair=tiny", "method=sd", "max_new_tokens=10", "dataset.n_prompts=2", "warmup=0",
+                      f"temperature={temperature}")
+    run(cfg, tmp_path)
+    sd = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    sd = [r for r in sd if r["method"] == "sd"]
+    assert len(sd) == 2
+    assert all(r["matches_baseline"] is (True if temperature == 0 else None) for r in sd)
