@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers.utils import is_sklearn_available
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -30,14 +31,17 @@ from bench.runner import clocked, cost_ratio, timed_decode  # noqa: E402
 from bench.sampling import Sampling  # noqa: E402
 
 
-def hf_generate(pair, x, max_new, gamma=None):
-    """transformers' greedy generate(), or its assisted generation with our draft when ``gamma`` is set."""
+def hf_generate(pair, x, max_new, gamma=None, confidence=0.0):
+    """transformers' greedy generate(), or its assisted generation with our draft when ``gamma`` is set
+    (``confidence``: its assistant_confidence_threshold, the same early stop as ``method.confidence``)."""
     kwargs = dict(max_new_tokens=max_new, do_sample=False, pad_token_id=pair.tokenizer.eos_token_id)
     if gamma is not None:
         draft = pair.draft.module
         draft.generation_config.num_assistant_tokens = gamma
         draft.generation_config.num_assistant_tokens_schedule = "constant"
-        draft.generation_config.assistant_confidence_threshold = 0.0  # no early stop: plain gamma-token drafts
+        # 0: plain gamma-token drafts. transformers tunes a non-zero threshold online only when scikit-learn
+        # is installed (it is not, by default): the summary says which it did.
+        draft.generation_config.assistant_confidence_threshold = confidence
         kwargs["assistant_model"] = draft
     out, seconds = clocked(pair.device, pair.target.module.generate, x, **kwargs)
     return out[0, x.shape[1]:].tolist(), seconds, None
@@ -58,13 +62,13 @@ def main(argv: list[str]) -> None:
     xs = [torch.tensor([encode(p, pair.tokenizer)], device=pair.device) for p in prompts]
     ar = get_method("ar")(compose(["method=ar"]).method, pair)
     sd = get_method("sd")(cfg.method, pair)
-    gamma, max_new = int(cfg.method.gamma), int(cfg.max_new_tokens)
+    gamma, max_new, confidence = int(cfg.method.gamma), int(cfg.max_new_tokens), float(cfg.method.confidence)
 
     runners = {
         "ours_ar": lambda x, i: ours(ar, pair, x, max_new, i),
         "hf_generate": lambda x, i: hf_generate(pair, x, max_new),
         "ours_sd": lambda x, i: ours(sd, pair, x, max_new, i),
-        "hf_assisted": lambda x, i: hf_generate(pair, x, max_new, gamma),
+        "hf_assisted": lambda x, i: hf_generate(pair, x, max_new, gamma, confidence),
     }
     for fn in runners.values():  # untimed warm-up of every path
         fn(xs[0], 0)
@@ -103,6 +107,9 @@ def main(argv: list[str]) -> None:
         "alpha": alpha,
         "c": c,
         "gamma": gamma,
+        "confidence": confidence,
+        "hf_threshold_tuned_online": bool(confidence) and is_sklearn_available(),
+        "packed_linear": bool(cfg.packed_linear) and pair.device.type == "cpu",
         "mean_accepted": metrics.ratio(sum(sd_steps[0]), len(sd_steps[0])),
         "analytic_speedup": metrics.analytic_speedup(alpha, gamma, c),
         "all_outputs_equal": all(r["matches_ours_ar"] for rs in rows.values() for r in rs),
