@@ -1,15 +1,16 @@
 """Benchmark of the harness spine against transformers' own decoding, in ONE run, on the same prompts.
 
-  python scripts/bench_spine.py [hydra overrides, e.g. dataset.n_prompts=18 max_new_tokens=128 method.gamma=4]
+  python scripts/bench_spine.py [--out DIR] [hydra overrides, e.g. dataset.n_prompts=18 max_new_tokens=128 method.gamma=4]
 
 For every prompt, in an order that alternates from prompt to prompt:
   ours `ar`  vs  transformers `generate()` greedy          (our baseline must not be slower)
   ours `sd`  vs  transformers assisted generation with the same draft (`assistant_model=`, constant gamma)
-All four must produce the same greedy tokens. Prints a table and writes results/bench_spine/<time>.json.
+All four must produce the same greedy tokens. Prints a table and writes <--out, default results/bench_spine>/<time>.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -54,7 +55,10 @@ def ours(method, pair, x, max_new, seed):
 
 
 def main(argv: list[str]) -> None:
-    cfg = compose(["method=sd", *argv])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "bench_spine")
+    args, overrides = ap.parse_known_args(argv)
+    cfg = compose(["method=sd", *overrides])
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     pair = load_pair(cfg)
@@ -117,7 +121,7 @@ def main(argv: list[str]) -> None:
         "max_new_tokens": max_new,
     }
     print(json.dumps(summary, indent=2))
-    out = ROOT / "results" / "bench_spine" / f"{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = args.out / f"{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out, {"summary": summary, "rows": rows, "provenance": provenance(cfg, pair.device)})
     print(f"written: {out}")

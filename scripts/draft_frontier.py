@@ -1,6 +1,6 @@
 """Can a draft made from the target's own first k layers make speculative decoding pay on this machine?
 
-  python scripts/draft_frontier.py [--prompts 32] [--held-out 8] [--depths 1,2,4,...] [hydra overrides]
+  python scripts/draft_frontier.py [--prompts 32] [--held-out 8] [--depths 1,2,4,...] [--out DIR] [hydra overrides]
 
 Measured in one run, on the pair's target (default: SmolLM2-135M-Instruct, fp32):
 
@@ -10,15 +10,15 @@ Measured in one run, on the pair's target (default: SmolLM2-135M-Instruct, fp32)
   training, so it is cheap enough to fit at every depth; a k-layer draft distilled for minutes lands in
   the same range (README: 0.21-0.29 at k = 4), so read it as what depth k knows, not as a bound.
   ``logit_lens``: the same without the translator (the target's norm and head on layer k directly).
-- ``c(k)``: time of a one-token forward through the first k layers with an 8,192-token head (the shape of
-  the harness's distilled draft, bench/distill.py), over the target's one-token forward.
+- ``c(k)``: time of a one-token forward through the first k layers with a ``--draft-vocab``-token head
+  (8,192: the shape of the harness's distilled draft, bench/distill.py), over the target's one-token forward.
 - ``r(T)``: time of a T-token target forward over a one-token one: verifying a draft is not free here.
 - ``best_speedup(k)``: max over gamma of Leviathan et al.'s expected speedup with that verification cost,
   E[tokens](alpha, gamma) / (gamma c + r(gamma + 1)).
 
 The fit uses the target's greedy answers to packaged instructions (the text greedy SD actually sees) plus
 Lee news text, teacher-forced; answers to the last ``--held-out`` instructions are only scored. Prints a
-table and writes results/draft_frontier/<time>.json with provenance.
+table and writes <--out, default results/draft_frontier>/<time>.json with provenance.
 """
 
 from __future__ import annotations
@@ -106,6 +106,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--max-gamma", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--ridge", type=float, default=1e-2)
+    ap.add_argument("--draft-vocab", type=int, default=8192, help="output rows of the timed draft's head")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "draft_frontier")
     args, overrides = ap.parse_known_args(argv)
     cfg = compose(["pair.drafts=[]", *overrides])
     if cfg.get("threads"):
@@ -128,10 +130,11 @@ def main(argv: list[str]) -> None:
     context = torch.cat(held_answers[0]).unsqueeze(0).to(device)
     target_ms = {t: one_step_ms(device, target, context, t, args.repeats) for t in range(1, args.max_gamma + 2)}
     r = {t: ms / target_ms[1] for t, ms in target_ms.items()}  # verification cost of t tokens, in one-token forwards
+    vocab = torch.arange(min(args.draft_vocab, target.config.vocab_size))
     rows = []
     for k in depths:
         tuned, lens = exit_agreement(target, fit, held, k, args.ridge)
-        draft = draft_from_target(target, list(range(k)), torch.arange(8192)).to(device).eval()
+        draft = draft_from_target(target, list(range(k)), vocab).to(device).eval()
         c = one_step_ms(device, draft, context, 1, args.repeats) / target_ms[1]
         # E[tokens] / (gamma c + r(gamma + 1)) = analytic_speedup(alpha, gamma, c / r) / r
         speedups = {g: metrics.analytic_speedup(tuned, g, c / r[g + 1]) / r[g + 1] for g in range(1, args.max_gamma + 1)}
@@ -143,7 +146,7 @@ def main(argv: list[str]) -> None:
     print(f"\ntarget one-token forward {target_ms[1]:.1f} ms; r(T) = " + ", ".join(f"{t}: {v:.2f}" for t, v in r.items()))
     print(f"fit positions {len(fit[1])}, held-out answer positions {len(held[1])}\n")
     print(tabulate(rows, headers="keys", floatfmt=".3f"))
-    out = ROOT / "results" / "draft_frontier" / f"{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = args.out / f"{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = {"target_ms": target_ms, "r": r, "rows": rows, "fit_positions": len(fit[1]),
                "heldout_positions": len(held[1]), "args": vars(args)}
