@@ -96,11 +96,7 @@ def train_main(args: list[str]) -> int:
     from bench.validate import validate
 
     validate(cfg)
-    if cfg.get("threads"):  # as for run: training shares the machine on the same terms
-        import torch
-
-        torch.set_num_threads(int(cfg.threads))
-    pair = load_pair(cfg, train_if_missing=True)
+    pair = load_pair(cfg, train_if_missing=True)  # honours threads= as run does: training shares the machine too
     if args[0] == "draft":
         from bench.distill import draft_report
 

@@ -223,7 +223,13 @@ def _load_draft(spec: DictConfig, target, tokenizer, dtype, cache: Path, train_i
 
 
 def load_pair(cfg: DictConfig, train_if_missing: bool = True) -> Pair:
-    """Load ``cfg.pair`` (target + drafts) on ``cfg.device`` in ``cfg.dtype``, all in eval mode."""
+    """Load ``cfg.pair`` (target + drafts) on ``cfg.device`` in ``cfg.dtype``, all in eval mode.
+
+    ``cfg.threads`` (CPU intra-op threads) is applied first, so training a missing draft, decoding and every
+    script that loads a pair share the machine on the same terms.
+    """
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
     pair_cfg = cfg.pair
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)

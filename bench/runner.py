@@ -81,30 +81,30 @@ def timed_decode(method, pair: Pair, prompt_ids: torch.Tensor, max_new: int, sam
     }
 
 
+def forward_seconds(device: torch.device, model, context: torch.Tensor, new_tokens: int = 1, repeats: int = 10) -> float:
+    """Median seconds of one ``new_tokens``-token forward of a causal LM ``model`` (a transformers module,
+    uncounted) after a KV cache of ``context (1, T)``, under the harness clock; the first call is a warm-up."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(context, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    step = context[:, -new_tokens:]
+    samples = []
+    for _ in range(repeats + 1):
+        _, seconds = clocked(device, model, step, past_key_values=cache, use_cache=True)
+        cache.crop(-new_tokens)
+        samples.append(seconds)
+    return metrics.median(samples[1:])
+
+
 def cost_ratio(pair: Pair, prompt_ids: torch.Tensor, repeats: int = 10) -> float:
     """c of Leviathan et al.: median time of one single-token draft forward over one of the target, with a
     KV cache of the prompt, measured here under the same clock (NaN without a draft)."""
     if not pair.drafts:
         return float("nan")
-    from transformers import DynamicCache
-
-    times = {}
-    for role, lm in (("target", pair.target), ("draft", pair.drafts[0])):
-        cache = DynamicCache()
-        with torch.inference_mode():
-            lm(prompt_ids, cache, logits_to_keep=1)
-            step = prompt_ids[:, -1:]
-            samples = []
-            for _ in range(repeats + 1):
-                sync(pair.device)
-                t = time.perf_counter()
-                lm(step, cache)
-                sync(pair.device)
-                samples.append(time.perf_counter() - t)
-                cache.crop(-1)
-        times[role] = metrics.median(samples[1:])  # the first call is a warm-up
-    pair.reset_counts()
-    return times["draft"] / times["target"]
+    draft, target = (forward_seconds(pair.device, lm.module, prompt_ids, 1, repeats) for lm in (pair.drafts[0], pair.target))
+    return draft / target
 
 
 def method_cfgs(cfg: DictConfig) -> dict[str, DictConfig]:
@@ -213,8 +213,6 @@ def paired_speedup(base: dict, rec: dict) -> float:
 def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
     """Decode every prompt of ``cfg.dataset`` with the baseline and ``cfg.method``; write the results."""
     validate(cfg)  # before any model loads
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(cfg.dataset, cfg.seed)

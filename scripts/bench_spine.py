@@ -59,8 +59,6 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "bench_spine")
     args, overrides = ap.parse_known_args(argv)
     cfg = compose(["method=sd", *overrides])
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg.threads))
     pair = load_pair(cfg)
     prompts = load_prompts(cfg.dataset, cfg.seed)
     xs = [torch.tensor([encode(p, pair.tokenizer)], device=pair.device) for p in prompts]

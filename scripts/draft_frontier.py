@@ -41,7 +41,7 @@ from bench.corpus import corpus, instruction_prompts  # noqa: E402
 from bench.distill import draft_from_target, target_answers, token_chunks  # noqa: E402
 from bench.models import load_pair  # noqa: E402
 from bench.results import provenance, write_json_atomic  # noqa: E402
-from bench.runner import clocked  # noqa: E402
+from bench.runner import forward_seconds  # noqa: E402
 
 
 @torch.no_grad()
@@ -55,13 +55,17 @@ def layer_states(target, ids: torch.Tensor, positions: torch.Tensor):
     return [h[0, positions] for h in out.hidden_states], out.logits[0, positions].argmax(-1)
 
 
-def answer_states(target, answers):
-    """Stacked :func:`layer_states` over the answer positions of ``(prompt, answer)`` pairs."""
-    parts = []
+def answer_positions(answers):
+    """``(ids (1, P + n), positions)`` per ``(prompt, answer)``: position P-1+t predicts answer token t, the
+    positions greedy SD drafts for."""
     for prompt, answer in answers:
         ids = torch.cat([prompt, answer]).unsqueeze(0)
-        # Position P-1+t predicts answer token t: those are the positions greedy SD drafts for.
-        parts.append(layer_states(target, ids, torch.arange(len(prompt) - 1, ids.shape[1] - 1)))
+        yield ids, torch.arange(len(prompt) - 1, ids.shape[1] - 1)
+
+
+def stacked_states(target, items):
+    """:func:`layer_states` of every ``(ids, positions)`` item, stacked: ``(states, top1)`` as there."""
+    parts = [layer_states(target, ids, positions) for ids, positions in items]
     return [torch.cat(layer) for layer in zip(*(s for s, _ in parts))], torch.cat([t for _, t in parts])
 
 
@@ -81,22 +85,6 @@ def exit_agreement(target, fit, held, k: int, ridge: float) -> tuple[float, floa
     return float((tuned == held_top1).float().mean()), float((lens == held_top1).float().mean())
 
 
-def one_step_ms(device, model, context: torch.Tensor, new_tokens: int, repeats: int) -> float:
-    """Median ms of a ``new_tokens``-token forward of ``model`` after a KV cache of ``context (1, T)``."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    with torch.inference_mode():
-        model(context, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    step = context[:, -new_tokens:]
-    samples = []
-    for _ in range(repeats + 1):
-        _, seconds = clocked(device, model, step, past_key_values=cache, use_cache=True)
-        cache.crop(-new_tokens)
-        samples.append(seconds * 1e3)
-    return metrics.median(samples[1:])  # the first call is a warm-up
-
-
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=32, help="instructions the target answers (fit + held out)")
@@ -110,8 +98,6 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "draft_frontier")
     args, overrides = ap.parse_known_args(argv)
     cfg = compose(["pair.drafts=[]", *overrides])
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg.threads))
     pair = load_pair(cfg)
     target, device = pair.target.module.eval(), pair.device
     depths = [int(k) for k in args.depths.split(",")]
@@ -121,21 +107,19 @@ def main(argv: list[str]) -> None:
                                                                    int(cfg.max_new_tokens), "frontier: target answers")]
     fit_answers, held_answers = answers[: -args.held_out], answers[-args.held_out :]
     news = token_chunks(pair.tokenizer, corpus("lee", "train"), 256, args.news_tokens)
-    fit = answer_states(target, fit_answers)
-    news_fit = [layer_states(target, row.unsqueeze(0), torch.arange(row.numel())) for row in news]
-    fit = ([torch.cat([a, *b]) for a, *b in zip(fit[0], *(s for s, _ in news_fit))],
-           torch.cat([fit[1], *(t for _, t in news_fit)]))
-    held = answer_states(target, held_answers)
+    news_rows = ((row.unsqueeze(0), torch.arange(row.numel())) for row in news)
+    fit = stacked_states(target, [*answer_positions(fit_answers), *news_rows])
+    held = stacked_states(target, answer_positions(held_answers))
 
     context = torch.cat(held_answers[0]).unsqueeze(0).to(device)
-    target_ms = {t: one_step_ms(device, target, context, t, args.repeats) for t in range(1, args.max_gamma + 2)}
+    target_ms = {t: 1e3 * forward_seconds(device, target, context, t, args.repeats) for t in range(1, args.max_gamma + 2)}
     r = {t: ms / target_ms[1] for t, ms in target_ms.items()}  # verification cost of t tokens, in one-token forwards
     vocab = torch.arange(min(args.draft_vocab, target.config.vocab_size))
     rows = []
     for k in depths:
         tuned, lens = exit_agreement(target, fit, held, k, args.ridge)
         draft = draft_from_target(target, list(range(k)), vocab).to(device).eval()
-        c = one_step_ms(device, draft, context, 1, args.repeats) / target_ms[1]
+        c = 1e3 * forward_seconds(device, draft, context, 1, args.repeats) / target_ms[1]
         # E[tokens] / (gamma c + r(gamma + 1)) = analytic_speedup(alpha, gamma, c / r) / r
         speedups = {g: metrics.analytic_speedup(tuned, g, c / r[g + 1]) / r[g + 1] for g in range(1, args.max_gamma + 1)}
         gamma = max(speedups, key=speedups.get)

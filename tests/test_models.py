@@ -70,3 +70,17 @@ def test_corrupt_draft_cache_is_one_clear_error(distilled_cfg):
             load_pair(distilled_cfg)
     finally:
         (folder / "draft.pt").write_bytes(blob)
+
+
+def test_load_pair_applies_threads(compose_cfg):
+    """threads= takes effect wherever a pair is loaded (run, train, the scripts), before any model work."""
+    import torch
+
+    from bench.models import load_pair
+
+    before = torch.get_num_threads()
+    try:
+        load_pair(compose_cfg("pair=tiny", "threads=1"))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
