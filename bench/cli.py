@@ -96,16 +96,18 @@ def train_main(args: list[str]) -> int:
     from bench.validate import validate
 
     validate(cfg)
-    pair = load_pair(cfg, train_if_missing=True)  # honours threads= as run does: training shares the machine too
+    from bench.registry import get_method
+
+    # ``train draft`` loads (and so distils) every draft of the pair; ``train heads|verifier`` only the drafts
+    # that method uses. load_pair honours threads= as run does: training shares the machine too.
+    pair = load_pair(cfg, train_if_missing=True, n_drafts=None if args[0] == "draft" else get_method(cfg.method.name).drafts)
     if args[0] == "draft":
-        from bench.distill import draft_report
+        from decoding.distill import draft_report
 
         for spec in cfg.pair.get("drafts") or []:
             if spec.source == "distilled":
                 print(json.dumps(draft_report(pair.target.module, spec.recipe, pair.cache), indent=2))
         return 0
-    from bench.registry import get_method
-
     method = get_method(cfg.method.name)(cfg.method, pair)
     method.setup(train_if_missing=True)
     print(json.dumps(getattr(method, "report", {}), indent=2, default=str))

@@ -19,7 +19,7 @@ from typing import Callable
 
 from omegaconf import DictConfig
 
-from bench.corpus import lee_articles
+from decoding.corpus import lee_articles
 from bench.errors import BenchError
 
 

@@ -216,14 +216,17 @@ def _load_draft(spec: DictConfig, target, tokenizer, dtype, cache: Path, train_i
     if src == "random":
         return random_model(spec, target.config.vocab_size)
     if src == "distilled":
-        from bench.distill import load_or_train_draft
+        from decoding.distill import load_or_train_draft
 
         return load_or_train_draft(target, tokenizer, spec.recipe, cache, train_if_missing)
     raise BenchError(f"unknown draft source '{src}'; use hub, random or distilled.")
 
 
-def load_pair(cfg: DictConfig, train_if_missing: bool = True) -> Pair:
+def load_pair(cfg: DictConfig, train_if_missing: bool = True, n_drafts: int | None = None) -> Pair:
     """Load ``cfg.pair`` (target + drafts) on ``cfg.device`` in ``cfg.dtype``, all in eval mode.
+
+    ``n_drafts``: how many of the pair's drafts to load, first ones first (``None``: all). A run loads only
+    what its methods use (``Method.drafts``): ``ar`` never distils a draft it would not run.
 
     ``cfg.threads`` (CPU intra-op threads) is applied first, so training a missing draft, decoding and every
     script that loads a pair share the machine on the same terms.
@@ -238,7 +241,7 @@ def load_pair(cfg: DictConfig, train_if_missing: bool = True) -> Pair:
     target, tokenizer = _load_target(pair_cfg.target, torch.float32, cache)
     target.eval()
     drafts = []
-    for i, dspec in enumerate(pair_cfg.get("drafts") or []):
+    for i, dspec in enumerate(list(pair_cfg.get("drafts") or [])[:n_drafts]):
         d = _load_draft(dspec, target, tokenizer, torch.float32, cache, train_if_missing)
         drafts.append(CountedLM(d.to(device=device, dtype=dtype).eval(), "draft" if i == 0 else f"draft{i + 1}"))
     target = CountedLM(target.to(device=device, dtype=dtype), "target")

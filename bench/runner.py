@@ -22,7 +22,7 @@ from bench.data import encode, load_prompts
 from bench.models import Pair, load_pair
 from bench.registry import get_method
 from bench.results import RecordWriter, previous_records, provenance, run_key, write_json_atomic
-from bench.sampling import Sampling
+from decoding.sampling import Sampling
 from bench.validate import validate
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,11 @@ def method_cfgs(cfg: DictConfig) -> dict[str, DictConfig]:
     return cfgs
 
 
+def drafts_needed(cfg: DictConfig) -> int:
+    """How many of the pair's drafts the baseline and the method use (the rest are never loaded or trained)."""
+    return max(get_method(name).drafts for name in method_cfgs(cfg))
+
+
 def build_methods(cfg: DictConfig, pair: Pair) -> dict:
     """The baseline (if any) and the method under test, set up (trained if missing) before any clock runs."""
     built = {}
@@ -152,7 +157,7 @@ def make_record(cfg, pair, method, prompt, prompt_ids, run: dict) -> dict:
     new = len(decoded.output_ids)
     rec = {
         "method": method.name,
-        "lossless": method.lossless,
+        "lossless": method.is_lossless(Sampling(float(cfg.temperature), float(cfg.top_p))),
         "pair": pair.name,
         "dataset": cfg.dataset.name,
         "prompt_id": prompt.prompt_id,
@@ -225,7 +230,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
 
     methods_, encoded, tensors = {}, [], []
     if todo:
-        pair = load_pair(cfg, train_if_missing=cfg.train_if_missing)
+        pair = load_pair(cfg, train_if_missing=cfg.train_if_missing, n_drafts=drafts_needed(cfg))
         methods_ = build_methods(cfg, pair)
         sampling = Sampling(float(cfg.temperature), float(cfg.top_p))
         encoded = [encode(p, pair.tokenizer, cfg.dataset.get("template")) for _, p in todo]

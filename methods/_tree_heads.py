@@ -2,9 +2,9 @@
 
 Each step: the heads read the target's last hidden state at the last committed position and fill a
 candidate tree rooted at the pending token (committed, not yet in the KV cache); the target scores every
-node under a tree attention mask (:func:`bench.tree.score_tree`); the longest path matching the target's
+node under a tree attention mask (:func:`decoding.tree.score_tree`); the longest path matching the target's
 greedy choice stands, plus the target's own next token; the cache keeps that path's entries only
-(:func:`bench.tree.keep_path`), and the hidden state of the path's last node feeds the next step's heads.
+(:func:`decoding.tree.keep_path`), and the hidden state of the path's last node feeds the next step's heads.
 With ``recipe.prefix_layer`` (Hydra++) the path's hidden states go through the prefix layer first
 (:meth:`TreeHeadsMethod.heads_input`), which keeps a KV cache of its own over the committed positions; it is
 the counted role ``prefix``. Either way the target runs once per step.
@@ -14,7 +14,7 @@ the counted role ``prefix``. Either way the target runs once per step.
   (``lossless`` is False on such an instance, and records carry ``extra.typical``).
 - ``temperature > 0`` without ``typical``: no lossless tree rule is implemented, so the tree falls back to
   a chain of the heads' top-1 proposals (depth = the tree's depth), verified by the shared rejection
-  sampler :func:`bench.verify.verify_chain` with one-hot draft rows (a deterministic drafter): lossless.
+  sampler :func:`decoding.verify.verify_chain` with one-hot draft rows (a deterministic drafter): lossless.
 
 Subclasses (``methods/medusa.py``, ``methods/hydra.py``) set ``kind`` and implement :meth:`propose`.
 """
@@ -25,10 +25,10 @@ import torch
 from transformers import DynamicCache
 
 from bench.errors import BenchError
-from bench.heads import KINDS, LOSSES, CountedHeads, CountedPrefix, load_or_train_heads
-from bench.sampling import next_token
-from bench.tree import Tree, greedy_path, keep_path, score_tree, typical_path
-from bench.verify import verify_chain
+from methods._heads import KINDS, LOSSES, CountedHeads, CountedPrefix, load_or_train_heads
+from decoding.sampling import next_token
+from decoding.tree import Tree, greedy_path, keep_path, score_tree, typical_path
+from decoding.verify import verify_chain
 from methods.base import Decoded, Method
 
 _RECIPE_POSITIVE = ("num_heads", "vocab", "max_tokens", "eval_tokens", "seq_len", "batch_size", "epochs", "topk")
@@ -42,11 +42,13 @@ class TreeHeadsMethod(Method):
         self.check(cfg)
         self.tree = Tree.from_paths(cfg.tree)
         self.chain = Tree.chain(self.tree.max_depth)
-        if cfg.get("typical", False):
-            self.lossless = False  # typical acceptance keeps tokens the target would not have produced
         self.report: dict = {}
         self.heads: CountedHeads | None = None
         self.prefix: CountedPrefix | None = None
+
+    def is_lossless(self, sampling) -> bool:
+        # Typical acceptance keeps tokens the target would not have sampled; at temperature 0 it is the greedy rule.
+        return not (self.cfg.get("typical", False) and not sampling.greedy)
 
     @classmethod
     def check(cls, cfg) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from bench.registry import register
-from bench.sampling import next_token
+from decoding.sampling import next_token
 from methods.base import Decoded, Method
 
 

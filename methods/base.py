@@ -10,7 +10,7 @@ import torch
 from omegaconf import DictConfig
 
 from bench.models import Pair
-from bench.sampling import Sampling, next_token
+from decoding.sampling import Sampling, next_token
 
 
 @dataclass
@@ -34,11 +34,24 @@ class Decoded:
 class Method:
     """Base class. A method proposes and verifies tokens; it never times, counts or writes anything.
 
-    Subclasses set ``lossless`` (True when greedy output must equal ``ar`` token for token).
+    Subclasses set ``lossless`` (True when greedy output must equal ``ar`` token for token and sampled output
+    follow the target's distribution) and ``drafts`` (how many of the pair's draft models they run; a run
+    loads and trains only those).
     """
 
     name: str = "?"
     lossless: bool = True
+    drafts: int = 0
+
+    def is_lossless(self, sampling: Sampling) -> bool:
+        """Whether this instance's output is exactly the target's under ``sampling`` (what records say)."""
+        return self.lossless
+
+    @classmethod
+    def analytic_speedup(cls, alpha: float, gamma: float, c: float) -> float:
+        """The method's own analytic speedup model from the measured per-token acceptance ``alpha``, mean
+        tokens drafted per target call ``gamma`` and draft/target cost ratio ``c``; NaN: it states none."""
+        return float("nan")
 
     def __init__(self, cfg: DictConfig, pair: Pair):
         self.cfg = cfg

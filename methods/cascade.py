@@ -12,7 +12,7 @@ text matched earlier in it, else a chain through a bigram table of packaged text
   drafters. A model level asked for n tokens reviews proposals of at most n - 1 tokens, since each of its
   reviews adds one token of its own (so the proposal is cut where its row asks for more).
 
-The target's review is :func:`bench.verify.verify_chain` (strict, lossless). Inner reviews only shape the
+The target's review is :func:`decoding.verify.verify_chain` (strict, lossless). Inner reviews only shape the
 draft, so greedily they may be lenient (``lenience`` > 1: a token passes when it is among the reviewer's
 top ``lenience``). When sampling, inner reviews are strict rejection sampling, so every token a model level
 emits is distributed as that model's own next-token distribution q, which the target's exact test needs
@@ -28,14 +28,14 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from bench.corpus import check_corpus
+from decoding.corpus import check_corpus
 from bench.counting import truncate_cache
 from bench.errors import BenchError
 from bench.metrics import ratio
-from bench.ngram import NGramIndex, load_bigram_table
+from decoding.ngram import NGramIndex, load_bigram_table
 from bench.registry import register
-from bench.sampling import next_token, probs_from_logits
-from bench.verify import verify_chain
+from decoding.sampling import next_token, probs_from_logits
+from decoding.verify import verify_chain
 from methods.base import Decoded, Method
 from methods.pld import check_ngram_settings
 
@@ -98,6 +98,7 @@ class StatLevel:
 @register("cascade")
 class Cascade(Method):
     lossless = True
+    drafts = 2
 
     @classmethod
     def check(cls, cfg) -> None:

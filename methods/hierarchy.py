@@ -10,7 +10,7 @@ the current text come from three token databases, queried in order of temporal l
    ``records.jsonl`` of an earlier run on the same pair; a prompt's own earlier output is never used, so
    warm-up decodes and repeated prompts do not leak the answer;
 3. statistics-dependent: the most frequent continuations of each n-gram of packaged text
-   (:class:`bench.ngram.CorpusNGrams`, built once and cached).
+   (:class:`decoding.ngram.CorpusNGrams`, built once and cached).
 
 All candidates are verified in ONE target forward: they are merged into a token tree (shared prefixes
 once), flattened, and scored with a 4D attention mask in which each node sees the committed text and its
@@ -29,13 +29,13 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from bench.corpus import check_corpus
+from decoding.corpus import check_corpus
 from bench.counting import truncate_cache
 from bench.errors import BenchError
 from bench.metrics import ratio
-from bench.ngram import NGramIndex, load_corpus_ngrams
+from decoding.ngram import NGramIndex, load_corpus_ngrams
 from bench.registry import register
-from bench.sampling import next_token
+from decoding.sampling import next_token
 from methods.base import Decoded, Method
 from methods.pld import check_ngram_settings
 
@@ -116,8 +116,8 @@ def load_records_db(path: str, pair_name: str) -> list[tuple[tuple[int, ...], li
 def load_or_build_model_db(pair, settings, build_if_missing: bool) -> list[list[int]]:
     """The target's greedy answers (token ids) to ``settings.prompts`` packaged instructions, cached as JSON
     under ``cache/ngram/`` keyed by the target's identity and ``settings``; generated once when missing."""
-    from bench.corpus import instruction_prompts
-    from bench.distill import target_answers, target_identity
+    from decoding.corpus import instruction_prompts
+    from decoding.distill import target_answers, target_identity
     from bench.models import recipe_key
     from bench.results import write_json_atomic
 

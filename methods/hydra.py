@@ -1,12 +1,12 @@
 """Hydra (Ankner et al. 2024, "Hydra: Sequentially-Dependent Draft Heads for Medusa Decoding"): head k also
 reads the input embeddings of the tokens already chosen along the candidate path, so the tree is filled
 depth by depth, each head run once per parent node; verified in one target forward like Medusa
-(:mod:`methods._tree_heads`, :mod:`bench.tree`).
+(:mod:`methods._tree_heads`, :mod:`decoding.tree`).
 
 Hydra++ (``method=hydra_pp``): the same heads trained with the teacher-distillation loss (the target's
 top-k distribution instead of its greedy token) and reading the output of the prefix attention layer
 (``recipe.prefix_layer``: one more decoder layer over the target's hidden states of the whole sequence,
-trained jointly with the heads; :class:`bench.heads.PrefixLayer`, fed by
+trained jointly with the heads; :class:`methods._heads.PrefixLayer`, fed by
 :meth:`methods._tree_heads.TreeHeadsMethod.heads_input`).
 """
 
@@ -17,7 +17,7 @@ from functools import lru_cache
 import torch
 
 from bench.registry import register
-from bench.tree import Tree
+from decoding.tree import Tree
 from methods._tree_heads import TreeHeadsMethod
 
 

@@ -1,8 +1,8 @@
 """Medusa (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding
 Heads"): K independent heads on the target's last hidden state; head k's top-k fill depth k + 1 of a sparse
-candidate tree, verified in one target forward (:mod:`methods._tree_heads`, :mod:`bench.tree`).
+candidate tree, verified in one target forward (:mod:`methods._tree_heads`, :mod:`decoding.tree`).
 
-Heads are trained by the harness (:mod:`bench.heads`, ``python -m bench train heads method=medusa``).
+Heads are trained by the harness (:mod:`methods._heads`, ``python -m bench train heads method=medusa``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from bench.registry import register
-from bench.tree import Tree
+from decoding.tree import Tree
 from methods._tree_heads import TreeHeadsMethod
 
 

@@ -1,7 +1,7 @@
 """Prompt lookup decoding (LLMA, Yang et al. 2023, "Inference with Reference"; Saxena 2023, "prompt lookup
 decoding"): no draft model. The last n-gram of prompt + output is looked up earlier in that same text and
 the tokens that followed it there are proposed; the target scores them in one forward and
-:func:`bench.verify.verify_chain` keeps the longest valid prefix. No match: a plain target step.
+:func:`decoding.verify.verify_chain` keeps the longest valid prefix. No match: a plain target step.
 
 The drafter is deterministic, so for sampling its proposal distribution is one-hot (q(x) = 1 for the
 proposed token), which the rejection rule handles exactly: token x stays with probability p(x), and a
@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from bench.counting import truncate_cache
 from bench.errors import BenchError
 from bench.metrics import ratio
-from bench.ngram import NGramIndex
+from decoding.ngram import NGramIndex
 from bench.registry import register
-from bench.verify import verify_chain
+from decoding.verify import verify_chain
 from methods.base import Decoded, Method
 
 

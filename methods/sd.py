@@ -1,7 +1,7 @@
 """Standard speculative decoding (Leviathan et al., 2023; Chen et al., 2023).
 
 Each step the draft proposes ``gamma`` tokens autoregressively; the target scores the pending token and
-all ``gamma`` proposals in ONE forward; :func:`bench.verify.verify_chain` keeps the longest valid prefix
+all ``gamma`` proposals in ONE forward; :func:`decoding.verify.verify_chain` keeps the longest valid prefix
 and adds the target's own next token. Both KV caches are rolled back to the committed text, never
 recomputed. Lossless: greedy output equals ``ar``; sampled output is distributed as the target's.
 """
@@ -9,11 +9,12 @@ recomputed. Lossless: greedy output equals ``ar``; sampled output is distributed
 from __future__ import annotations
 
 import torch
+from bench import metrics
 from bench.counting import truncate_cache
 from bench.errors import BenchError
 from bench.registry import register
-from bench.sampling import probs_from_logits, sample
-from bench.verify import verify_chain
+from decoding.sampling import probs_from_logits, sample
+from decoding.verify import verify_chain
 from methods.base import Decoded, Method
 
 
@@ -48,6 +49,12 @@ def draft_chain(draft, cache, pending: list[int], gamma: int, sampling, generato
 @register("sd")
 class SD(Method):
     lossless = True
+    drafts = 1
+
+    @classmethod
+    def analytic_speedup(cls, alpha: float, gamma: float, c: float) -> float:
+        """Leviathan et al. (2023), Theorem 3.8, with the measured alpha, mean gamma and cost ratio c."""
+        return metrics.analytic_speedup(alpha, gamma, c)
 
     @classmethod
     def check(cls, cfg) -> None:

@@ -4,7 +4,7 @@ The draft generates one token at a time. After each token a small learned verifi
 last hidden state (and its top probability and entropy), predicts whether the target would accept it.
 While it predicts acceptance the draft keeps going, up to ``max_run`` tokens, and the target is not
 called. When the verifier flags a token (or the run reaches ``max_run``, or the draft proposes EOS) the
-target is called ONCE over the pending tokens, and the standard rule (:func:`bench.verify.verify_chain`)
+target is called ONCE over the pending tokens, and the standard rule (:func:`decoding.verify.verify_chain`)
 is applied to that last token only: it is kept and the target adds a bonus token, or it is replaced by
 the target's own (resampled) token. The earlier tokens of the run stand without a target check.
 
@@ -20,236 +20,31 @@ token at each position is the candidate, and the label says whether the target w
 
 from __future__ import annotations
 
-import json
-import logging
 import math
 from collections import Counter
-from pathlib import Path
 
-import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
-from torch import nn
-from tqdm.auto import tqdm
+from omegaconf import DictConfig
 
-from bench.corpus import corpus
 from bench.counting import CountedModule, truncate_cache
-from bench.distill import token_chunks
 from bench.errors import BenchError
-from bench.models import atomic_dir, recipe_key
-from bench.training import fit
 from bench.registry import register
-from bench.sampling import next_token, probs_from_logits, sample
-from bench.verify import verify_chain
+from decoding.sampling import next_token, probs_from_logits, sample
+from decoding.verify import verify_chain
+from methods._sprinter_verifier import (
+    LABELS,
+    draft_forward,
+    features,
+    load_or_train_verifier,
+    verifier_dir,
+)
 from methods.base import Decoded, Method
-
-log = logging.getLogger(__name__)
-
-LABELS = ("greedy", "sampling")
-
-
-# ---------------------------------------------------------------------------------------------- verifier
-
-
-class Verifier(nn.Module):
-    """Scores draft tokens: features ``(..., d_in)`` -> logit ``(...)`` of "the target accepts this token".
-
-    Features are standardised with the training set's mean and std (stored as buffers, so the cached file
-    is self-contained). ``width == 0`` gives logistic regression, otherwise a one-hidden-layer MLP.
-    """
-
-    def __init__(self, d_in: int, width: int):
-        super().__init__()
-        self.d_in, self.width = d_in, width
-        self.register_buffer("mean", torch.zeros(d_in))
-        self.register_buffer("std", torch.ones(d_in))
-        self.net = nn.Sequential(nn.Linear(d_in, width), nn.GELU(), nn.Linear(width, 1)) if width else nn.Linear(d_in, 1)
-
-    def forward(self, feats: torch.Tensor) -> torch.Tensor:
-        return self.net((feats.float() - self.mean) / self.std).squeeze(-1)
-
-
-def features(hidden: torch.Tensor, logits: torch.Tensor, use_probs: bool) -> torch.Tensor:
-    """The verifier's input at each drafted position, the same in training and decoding.
-
-    Args:
-        hidden: ``(..., hidden)`` the draft's last hidden state at the position that proposed the token.
-        logits: ``(..., vocab)`` the draft's logits there (``-inf`` allowed: a reduced-vocabulary draft).
-    Returns:
-        ``FloatTensor (..., hidden [+ 2])``: the hidden state, then (``use_probs``) the draft's top
-        probability and entropy at temperature 1, which say how sure the draft is.
-    """
-    hidden = hidden.float()
-    if not use_probs:
-        return hidden
-    p = torch.softmax(logits.float(), -1)
-    top = p.max(-1).values
-    entropy = torch.special.entr(p).sum(-1)  # entr(0) = 0, so -inf logits are harmless
-    return torch.cat([hidden, top.unsqueeze(-1), entropy.unsqueeze(-1)], -1)
-
-
-def draft_forward(draft, input_ids: torch.Tensor, cache=None, **kw):
-    """One draft forward returning ``(logits (B, T, vocab), last hidden (B, T, hidden))``.
-
-    ``draft`` is a :class:`bench.counting.CountedLM` (decoding: counted) or a bare module (training).
-    A distilled ``DraftLM`` returns ``hidden_states=(last,)``; a Hugging Face model returns every layer's,
-    the last one last.
-    """
-    if hasattr(draft, "role"):
-        out = draft(input_ids, cache, output_hidden_states=True, **kw)
-    else:
-        out = draft(input_ids=input_ids, output_hidden_states=True, **kw)
-    return out.logits, out.hidden_states[-1]
-
-
-@torch.no_grad()
-def verifier_data(draft, target, chunks: torch.Tensor, recipe: DictConfig, device, desc: str, generator):
-    """Teacher-forced features and labels: ``(FloatTensor (N, d_in), BoolTensor (N,))``, N = every position.
-
-    At each position the candidate is the draft's own next token (its argmax for ``label: greedy``; a
-    draw from q at ``recipe.temperature`` for ``label: sampling``). The label says whether the target would
-    accept it: greedy, the target's argmax equals it; sampling, q(x) <= p(x), the paper's rule (such a
-    token is accepted with certainty by rejection sampling).
-    """
-    feats, labels = [], []
-    for start in tqdm(range(0, len(chunks), int(recipe.batch_size)), desc=desc, unit="batch"):
-        x = chunks[start : start + int(recipe.batch_size)].to(device)
-        dlogits, hidden = draft_forward(draft, x)
-        tlogits = target(input_ids=x).logits
-        if recipe.label == "greedy":
-            label = tlogits.argmax(-1) == dlogits.argmax(-1)
-        else:
-            sampling_t = float(recipe.temperature)
-            q = torch.softmax(dlogits.float() / sampling_t, -1)
-            p = torch.softmax(tlogits.float() / sampling_t, -1)
-            cand = torch.multinomial(q.flatten(0, 1), 1, generator=generator).view(q.shape[:-1])
-            label = q.gather(-1, cand[..., None]) <= p.gather(-1, cand[..., None])
-            label = label.squeeze(-1)
-        feats.append(features(hidden, dlogits, bool(recipe.probs)).flatten(0, 1).cpu())
-        labels.append(label.flatten().cpu())
-    return torch.cat(feats), torch.cat(labels)
-
-
-def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """Area under the ROC curve = P(score of a positive > score of a negative), ties counted half
-    (the Mann-Whitney U statistic over n_pos * n_neg); NaN when a class is absent."""
-    labels = labels.astype(bool)
-    n_pos, n_neg = int(labels.sum()), int((~labels).sum())
-    if n_pos == 0 or n_neg == 0:
-        return math.nan
-    _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
-    avg_rank = np.cumsum(counts) - (counts - 1) / 2.0  # 1-based ranks, tied scores share their mean rank
-    ranks = avg_rank[inverse]
-    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
-
-
-def classification_report(scores: np.ndarray, labels: np.ndarray, threshold: float = 0.5) -> dict:
-    """Held-out figures of the verifier; "positive" = the target accepts the draft token.
-
-    ``precision``: of the tokens the verifier lets through, the fraction the target would have accepted
-    (1 - precision is the error rate of unchecked tokens); ``recall``: of the tokens the target accepts,
-    the fraction let through (what saves target calls); ``reject_recall``: of the tokens the target
-    rejects, the fraction flagged.
-    """
-    labels = labels.astype(bool)
-    pred = scores >= threshold
-    tp, fp = int((pred & labels).sum()), int((pred & ~labels).sum())
-    fn, tn = int((~pred & labels).sum()), int((~pred & ~labels).sum())
-    ratio = lambda a, b: a / b if b else math.nan  # noqa: E731 - a zero denominator gives NaN
-    return {
-        "threshold": threshold,
-        "accuracy": ratio(tp + tn, len(labels)),
-        "precision": ratio(tp, tp + fp),
-        "recall": ratio(tp, tp + fn),
-        "reject_recall": ratio(tn, tn + fp),
-        "roc_auc": roc_auc(scores, labels),
-        "accept_rate": ratio(int(labels.sum()), len(labels)),
-    }
-
-
-def train_verifier(pair, recipe: DictConfig) -> tuple[Verifier, dict]:
-    """Train the verifier of ``pair``'s first draft on packaged text; returns it and its held-out report."""
-    torch.manual_seed(int(recipe.seed))
-    gen = torch.Generator(device=pair.device).manual_seed(int(recipe.seed))
-    draft, target = pair.draft.module, pair.target.module
-    train = token_chunks(pair.tokenizer, corpus(recipe.corpus, "train"), int(recipe.seq_len), int(recipe.max_tokens))
-    held = token_chunks(pair.tokenizer, corpus(recipe.corpus, "test"), int(recipe.seq_len), int(recipe.eval_tokens))
-    x, y = verifier_data(draft, target, train, recipe, pair.device, "verifier: labels", gen)
-    xh, yh = verifier_data(draft, target, held, recipe, pair.device, "verifier: held-out labels", gen)
-
-    model = Verifier(x.shape[1], int(recipe.width))
-    model.mean.copy_(x.mean(0))
-    model.std.copy_(x.std(0).clamp_min(1e-6))
-    n_pos, n_neg = int(y.sum()), int((~y).sum())
-    # Class balance: accepted tokens are the minority for a weak draft; weigh them up to the rejections.
-    pos_weight = torch.tensor(n_neg / n_pos if n_pos and n_neg else 1.0)
-    loss_fn = nn.BCEWithLogitsLoss(pos_weight=pos_weight)
-    yf = y.float()
-    batch = int(recipe.train_batch)
-    model.train()
-    final_loss = fit(list(model.parameters()), lambda: torch.randperm(len(x)).split(batch),
-                     lambda b: loss_fn(model(x[b]), yf[b]), epochs=int(recipe.epochs),
-                     steps_per_epoch=math.ceil(len(x) / batch), lr=float(recipe.lr),
-                     weight_decay=float(recipe.weight_decay), one_cycle=False, clip=None, desc="verifier: training")
-    model.eval()
-    with torch.no_grad():
-        scores = torch.sigmoid(model(xh)).numpy()
-    report = classification_report(scores, yh.numpy())
-    report.update(train_examples=len(x), heldout_examples=len(xh), train_accept_rate=n_pos / max(len(y), 1),
-                  features=int(x.shape[1]), final_loss=final_loss)
-    return model, report
-
-
-def pair_identity(pair) -> dict:
-    """What a verifier depends on: the target and draft specs (recipe included), the draft's shape and a
-    checksum of its weights (a retrained draft, same recipe, must not reuse a verifier fitted to the old one;
-    taken after rounding to bf16, so the fp32 CPU and bf16 GPU copies of one draft share a verifier)."""
-    draft = pair.draft.module
-    spec = pair.spec
-    return {
-        "target": OmegaConf.to_container(spec.target, resolve=True),
-        "draft": OmegaConf.to_container(spec.drafts[0], resolve=True),
-        "draft_params": sum(p.numel() for p in draft.parameters()),
-        "draft_checksum": round(sum(float(p.detach().bfloat16().double().sum()) for p in draft.parameters()), 4),
-        "draft_hidden": int(draft.config.hidden_size),
-        "vocab": int(pair.target.module.config.vocab_size),
-    }
-
-
-def verifier_dir(pair, recipe: DictConfig) -> Path:
-    return pair.cache / "verifiers" / f"{pair.name}-{recipe_key(pair_identity(pair), recipe)}"
-
-
-def load_or_train_verifier(pair, recipe: DictConfig, train_if_missing: bool) -> tuple[Verifier, dict]:
-    """The cached verifier of (pair, recipe), trained first when missing and ``train_if_missing``."""
-    folder = verifier_dir(pair, recipe)
-    if not (folder / "verifier.pt").is_file():
-        if not train_if_missing:
-            raise BenchError(f"no SPRINTER verifier cached at {folder}; run 'python -m bench train verifier "
-                             f"pair={pair.name} method=sprinter'.")
-        model, report = train_verifier(pair, recipe)
-        with atomic_dir(folder) as tmp:
-            torch.save({"d_in": model.d_in, "width": model.width, "state": model.state_dict()}, tmp / "verifier.pt")
-            meta = {"recipe": OmegaConf.to_container(recipe, resolve=True), "pair": pair_identity(pair), "report": report}
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
-        log.info("verifier cached at %s: %s", folder, report)
-    try:
-        blob = torch.load(folder / "verifier.pt", map_location="cpu", weights_only=True)
-        model = Verifier(int(blob["d_in"]), int(blob["width"]))
-        model.load_state_dict(blob["state"])
-        report = json.loads((folder / "meta.json").read_text())["report"]
-    except Exception as err:  # noqa: BLE001 - any unreadable file is the same problem for the user
-        raise BenchError(f"the cached SPRINTER verifier at {folder} is corrupt ({type(err).__name__}); "
-                         "delete that folder to retrain it.") from None
-    return model.eval(), report
-
-
-# ---------------------------------------------------------------------------------------------- decoding
 
 
 @register("sprinter")
 class Sprinter(Method):
     lossless = False  # unchecked tokens stand: see the module docstring and bench/quality.py
+    drafts = 1
 
     @classmethod
     def check(cls, cfg: DictConfig) -> None:

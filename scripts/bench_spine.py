@@ -29,7 +29,7 @@ from bench.models import load_pair  # noqa: E402
 from bench.registry import get_method  # noqa: E402
 from bench.results import provenance, write_json_atomic  # noqa: E402
 from bench.runner import clocked, cost_ratio, timed_decode  # noqa: E402
-from bench.sampling import Sampling  # noqa: E402
+from decoding.sampling import Sampling  # noqa: E402
 
 
 def hf_generate(pair, x, max_new, gamma=None, confidence=0.0):

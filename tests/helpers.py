@@ -4,7 +4,7 @@ import torch
 from omegaconf import OmegaConf
 
 from bench.registry import get_method
-from bench.sampling import Sampling
+from decoding.sampling import Sampling
 
 
 def decode(pair, name, prompt_ids, max_new=24, temperature=0.0, top_p=1.0, seed=0, **method_cfg):

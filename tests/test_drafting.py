@@ -12,9 +12,9 @@ from omegaconf import OmegaConf
 from bench.counting import CountedLM
 from bench.errors import BenchError
 from bench.models import Pair
-from bench.ngram import BigramTable, CorpusNGrams, NGramIndex, load_corpus_ngrams
+from decoding.ngram import BigramTable, CorpusNGrams, NGramIndex, load_corpus_ngrams
 from bench.registry import get_method
-from bench.sampling import Sampling, probs_from_logits
+from decoding.sampling import Sampling, probs_from_logits
 from bench.validate import validate
 from tests.helpers import decode, prompts_for
 

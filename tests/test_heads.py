@@ -10,8 +10,8 @@ from transformers import DynamicCache
 from bench.cli import CONFIG_DIR
 from bench.errors import BenchError
 from bench.registry import get_method
-from bench.sampling import Sampling
-from bench.tree import Tree, greedy_path, keep_path, score_tree
+from decoding.sampling import Sampling
+from decoding.tree import Tree, greedy_path, keep_path, score_tree
 from tests.helpers import decode, prompts_for
 
 TINY_RECIPE = {"vocab": 200, "max_tokens": 2048, "eval_tokens": 512, "seq_len": 64, "batch_size": 8, "epochs": 1}
@@ -98,7 +98,7 @@ def test_prefix_layer_is_counted_as_its_own_role(pair):
 
 
 def test_untrained_prefix_layer_is_the_identity(tiny_pair):
-    from bench.heads import PrefixLayer
+    from methods._heads import PrefixLayer
 
     layer = PrefixLayer.from_target(tiny_pair.target.module)
     hidden = torch.randn(2, 7, 64)
@@ -109,7 +109,7 @@ def test_untrained_prefix_layer_is_the_identity(tiny_pair):
 
 
 def test_prefix_layer_cache_equals_the_whole_sequence_at_once(tiny_pair):
-    from bench.heads import PrefixLayer
+    from methods._heads import PrefixLayer
 
     torch.manual_seed(0)
     layer = PrefixLayer.from_target(tiny_pair.target.module).eval()
@@ -203,7 +203,8 @@ def test_sampling_falls_back_to_a_lossless_chain_and_typical_is_lossy(pair):
     t = decode(pair, "hydra", ids, max_new=20, temperature=0.8, seed=3, **method_cfg("hydra", typical=True))
     assert t.extra["verify"] == "typical" and t.extra["typical"] is True and len(t.output_ids) == 20
     cfg = OmegaConf.create({"name": "hydra", **method_cfg("hydra", typical=True)})
-    assert get_method("hydra")(cfg, pair).lossless is False
+    method = get_method("hydra")(cfg, pair)
+    assert method.is_lossless(Sampling(0.8)) is False and method.is_lossless(Sampling(0.0)) is True
 
 
 @pytest.mark.parametrize("over, words", [
@@ -227,7 +228,7 @@ def test_bad_settings_raise_one_sentence(compose_cfg, over, words):
 
 
 def test_corrupt_heads_cache_is_one_sentence(tmp_path, tiny_pair):
-    from bench.heads import heads_dir, load_or_train_heads
+    from methods._heads import heads_dir, load_or_train_heads
 
     recipe = OmegaConf.create(method_cfg("medusa")["recipe"])
     target = tiny_pair.target.module
@@ -242,7 +243,7 @@ def test_corrupt_heads_cache_is_one_sentence(tmp_path, tiny_pair):
 
 def test_heads_cache_without_the_recipes_prefix_layer_is_one_sentence(tmp_path, tiny_pair):
     """A heads file that lacks (or carries a broken) prefix layer the recipe asks for: one sentence, no traceback."""
-    from bench.heads import Heads, PrefixLayer, heads_dir, load_or_train_heads
+    from methods._heads import Heads, PrefixLayer, heads_dir, load_or_train_heads
 
     target = tiny_pair.target.module
     recipe = OmegaConf.create(method_cfg("hydra_pp")["recipe"])

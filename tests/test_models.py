@@ -4,7 +4,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from bench.distill import draft_from_target
+from decoding.distill import draft_from_target
 from bench.errors import BenchError
 from bench.models import load_pair
 from tests.helpers import decode, prompts_for
@@ -59,7 +59,7 @@ def test_distilled_draft_trains_caches_and_is_lossless(distilled_cfg):
 
 
 def test_corrupt_draft_cache_is_one_clear_error(distilled_cfg):
-    from bench.distill import draft_dir
+    from decoding.distill import draft_dir
 
     pair = load_pair(distilled_cfg)
     folder = draft_dir(pair.target.module, distilled_cfg.pair.drafts[0].recipe, pair.cache)

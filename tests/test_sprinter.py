@@ -31,7 +31,7 @@ def sprinter(pair, threshold=0.5, max_run=4, **recipe):
 
 
 def test_training_reports_and_caches(tiny_pair):
-    from methods.sprinter import verifier_dir
+    from methods._sprinter_verifier import verifier_dir
 
     m = sprinter(tiny_pair)
     m.setup()
@@ -50,7 +50,7 @@ def test_training_reports_and_caches(tiny_pair):
 def test_a_retrained_draft_gets_its_own_verifier(tiny_pair):
     """Same recipe, other draft weights: the verifier cache key must change (it depends on the weights)."""
     from bench.counting import CountedLM
-    from methods.sprinter import verifier_dir
+    from methods._sprinter_verifier import verifier_dir
 
     recipe = sprinter(tiny_pair).cfg.verifier
     other = copy.copy(tiny_pair)
@@ -76,7 +76,7 @@ def test_missing_and_corrupt_cache_are_one_sentence(tiny_pair, tmp_path):
         sprinter(pair).setup(train_if_missing=False)
     m = sprinter(pair)
     m.setup()
-    from methods.sprinter import verifier_dir
+    from methods._sprinter_verifier import verifier_dir
 
     (verifier_dir(pair, m.cfg.verifier) / "verifier.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(BenchError, match="is corrupt .*delete that folder"):
@@ -165,7 +165,7 @@ def test_sampling_is_reproducible(tiny_pair):
 
 
 def test_roc_auc_by_hand():
-    from methods.sprinter import classification_report, roc_auc
+    from methods._sprinter_verifier import classification_report, roc_auc
 
     labels = np.array([1, 1, 0, 0], dtype=bool)
     assert roc_auc(np.array([0.9, 0.8, 0.3, 0.1]), labels) == 1.0

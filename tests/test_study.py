@@ -92,7 +92,7 @@ def test_gsm8k_references_are_final_answers_and_budget(compose_cfg, tiny_pair):
 
 
 def test_news_is_lee_test_articles(compose_cfg, tiny_pair):
-    from bench.corpus import lee_articles
+    from decoding.corpus import lee_articles
 
     cfg = compose_cfg("dataset=news", "dataset.n_prompts=null")
     prompts = load_prompts(cfg.dataset, seed=0)

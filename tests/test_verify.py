@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from bench.sampling import Sampling, probs_from_logits
-from bench.verify import verify_chain
+from decoding.sampling import Sampling, probs_from_logits
+from decoding.verify import verify_chain
 
 
 def test_greedy_accepts_longest_matching_prefix():

@@ -4,7 +4,7 @@
   or earlier outputs of the target), so the tail of the current text can be looked up and what followed it
   proposed as a draft (prompt lookup decoding; LLMA, Yang et al. 2023).
 - :class:`CorpusNGrams`: the most frequent continuations of every n-gram of packaged text
-  (:mod:`bench.corpus`) tokenised with the pair's tokenizer.
+  (:mod:`decoding.corpus`) tokenised with the pair's tokenizer.
 - :class:`BigramTable`: the most frequent next token after each token in the same text.
 
 The two corpus tables are built once (seconds) and cached under ``<cache>/ngram/``, keyed by the tokenizer
@@ -193,8 +193,8 @@ def tokenizer_identity(tokenizer) -> str:
 
 
 def corpus_token_docs(tokenizer, corpus_name: str) -> list[list[int]]:
-    """The documents of a packaged corpus (:func:`bench.corpus.corpus`, train split), tokenised."""
-    from bench.corpus import corpus
+    """The documents of a packaged corpus (:func:`decoding.corpus.corpus`, train split), tokenised."""
+    from decoding.corpus import corpus
 
     docs = corpus(corpus_name, "train")
     return [list(ids) for ids in tokenizer(list(docs), add_special_tokens=False)["input_ids"]]

@@ -24,10 +24,10 @@ from tqdm.auto import tqdm
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from bench.corpus import corpus
+from decoding.corpus import corpus
 from bench.errors import BenchError
 from bench.models import atomic_dir, recipe_key
-from bench.training import fit
+from decoding.training import fit
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ def self_distill_data(target, tokenizer, recipe: DictConfig):
     Returns ``(ids, idx, prob)``: ``LongTensor (N, L)`` (right-padded with EOS), ``LongTensor (N, L, k)`` and
     ``FloatTensor (N, L, k)`` with zero ``prob`` on prompt and padding positions.
     """
-    from bench.corpus import instruction_prompts
+    from decoding.corpus import instruction_prompts
 
     sd, k = recipe.self_distill, int(recipe.topk)
     prompts = instruction_prompts(int(sd.prompts), int(recipe.seed))

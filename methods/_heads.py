@@ -8,7 +8,7 @@ token k + 1 steps after the target's own next token, i.e. x_{t+k+2}:
   embeddings of the k + 1 tokens already chosen along the candidate path (sequentially dependent heads).
 
 Every ``W_k`` starts at zero and every ``proj_k`` from the target's output head (rows of a reduced
-vocabulary, as in :mod:`bench.distill`), so an untrained head already proposes the target's own next-token
+vocabulary, as in :mod:`decoding.distill`), so an untrained head already proposes the target's own next-token
 guess. Candidates outside the reduced vocabulary are never proposed; the target verifies every candidate,
 so decoding stays lossless.
 
@@ -34,12 +34,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from bench.corpus import corpus
+from decoding.corpus import corpus
 from bench.counting import Counted, CountedModule
-from bench.distill import pick_vocab, sub_index, target_identity, teacher_pass, token_chunks
+from decoding.distill import pick_vocab, sub_index, target_identity, teacher_pass, token_chunks
 from bench.errors import BenchError
 from bench.models import atomic_dir, recipe_key
-from bench.training import fit
+from decoding.training import fit
 
 log = logging.getLogger(__name__)
 

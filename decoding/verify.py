@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.sampling import Sampling, probs_from_logits, sample
+from decoding.sampling import Sampling, probs_from_logits, sample
 
 
 def verify_chain(

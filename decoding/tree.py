@@ -19,7 +19,7 @@ from functools import cached_property
 import torch
 
 from bench.errors import BenchError
-from bench.sampling import Sampling, probs_from_logits, sample
+from decoding.sampling import Sampling, probs_from_logits, sample
 
 
 @dataclass(frozen=True)
