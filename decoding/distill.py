@@ -24,9 +24,9 @@ from tqdm.auto import tqdm
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from decoding.corpus import corpus
 from bench.errors import BenchError
 from bench.models import atomic_dir, recipe_key
+from decoding.corpus import corpus
 from decoding.training import fit
 
 log = logging.getLogger(__name__)

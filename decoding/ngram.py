@@ -29,6 +29,13 @@ log = logging.getLogger(__name__)
 _SEP = -1  # between documents: no n-gram and no continuation crosses it
 
 
+def check_ngram_sizes(cfg, max_key: str = "max_ngram", min_key: str = "min_ngram") -> None:
+    """A method's n-gram sizes must satisfy 1 <= min <= max: one sentence naming the keys otherwise."""
+    lo, hi = int(cfg[min_key]), int(cfg[max_key])
+    if not 1 <= lo <= hi:
+        raise BenchError(f"method.{min_key} and method.{max_key} need 1 <= {min_key} <= {max_key}, got {lo} and {hi}.")
+
+
 class NGramIndex:
     """Every n-gram (``min_n <= n <= max_n``) of a token text made of documents, with the positions that
     follow each occurrence. The last document can keep growing (:meth:`extend`)."""

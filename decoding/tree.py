@@ -1,36 +1,83 @@
-"""Tree verification: score a whole tree of candidate continuations in ONE target forward, keep the path
-the target agrees with, and keep exactly that path's KV entries.
+"""The one token tree: candidate continuations scored in ONE target forward, and the KV cache of the path kept.
 
-A tree is written as Medusa writes it (Cai et al. 2024, "Medusa", Sec. 2.1.2): a list of rank paths, e.g.
-``[[0], [1], [0, 0]]``: node ``(r1, ..., rd)`` at depth ``d`` holds the ``r_d``-th best proposal for the
-token ``d`` steps after the pending one, given the proposals ``r1 .. r_{d-1}`` above it. The root (depth 0)
-is the pending token: already committed, not yet in the KV cache. Nodes are kept in breadth-first order
-(depth, then path), so pruning a tree to a maximum depth is slicing a prefix of its nodes.
+Node 0 is the root: the pending token (committed, not yet in the KV cache). Every other node v has a
+parent ``parent[v] < v``, so parents come before children. A chain (plain speculative decoding) is a tree
+of one path. Trees come from two places:
+
+- inserting candidate token paths (:meth:`Tree.add`; hierarchy drafting merges its databases' candidates,
+  shared prefixes once);
+- a fixed shape written as Medusa writes it (Cai et al. 2024, Sec. 2.1.2; :meth:`Tree.from_paths`): rank
+  paths such as ``[[0], [1], [0, 0]]``, node ``(r1, ..., rd)`` holding the ``r_d``-th best proposal for the
+  token d steps after the pending one under the proposals ``r1 .. r_{d-1}``; draft heads then
+  :meth:`Tree.fill` its tokens. Shape nodes are in breadth-first order (depth, then path), so pruning to a
+  depth keeps a prefix of the nodes.
 
 Each node attends to the cache and to its ancestors (itself included), at position ``past + depth``: its
-logits are exactly those of its path scored as a plain sequence (tested in ``tests/test_heads.py``).
+logits are exactly those of its path scored as a plain sequence (tested in ``tests/test_tree.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
-
 import torch
 
 from bench.errors import BenchError
-from decoding.sampling import Sampling, probs_from_logits, sample
 
 
-@dataclass(frozen=True)
 class Tree:
-    """A candidate tree. ``paths[i]`` is node i's rank path (``()`` for the root, node 0)."""
+    """A token tree rooted at the pending token. ``tokens[v]``, ``parent[v]``, ``depth[v]``, ``source[v]``
+    (who proposed node v: a database name, a rank path, ...) and ``children[v]`` (node indices) describe v."""
 
-    paths: tuple[tuple[int, ...], ...]
+    def __init__(self, root: int = -1):
+        self.tokens, self.parent, self.depth, self.source = [root], [-1], [0], [None]
+        self.children: list[list[int]] = [[]]
+        self.paths: tuple | None = None  # rank paths, for a shape made by from_paths
+        self._ancestry: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(len(kids) <= 1 for kids in self.children)
+
+    # ------------------------------------------------------------------------------------------- building
+
+    def add_child(self, node: int, token: int, source=None, merge: bool = True) -> int:
+        """The child of ``node`` holding ``token``, created when there is none (``merge=False``: always a new
+        node, as for siblings drawn independently from a draft, which the sampling verifier needs as drawn)."""
+        for child in self.children[node] if merge else ():
+            if self.tokens[child] == token:
+                return child
+        self.tokens.append(int(token))
+        self.parent.append(node)
+        self.depth.append(self.depth[node] + 1)
+        self.source.append(source)
+        self.children.append([])
+        self.children[node].append(len(self.tokens) - 1)
+        self._ancestry = None
+        return len(self.tokens) - 1
+
+    def add(self, candidate, source=None) -> int:
+        """Insert a candidate path below the root; returns how many new nodes it created."""
+        node, before = 0, len(self)
+        for tok in candidate:
+            node = self.add_child(node, tok, source)
+        return len(self) - before
+
+    @classmethod
+    def chain(cls, root: int, tokens) -> "Tree":
+        """A single path: ``root`` then ``tokens``."""
+        tree = cls(root)
+        tree.add(tokens)
+        return tree
 
     @classmethod
     def from_paths(cls, paths) -> "Tree":
-        """Build from a YAML list of rank paths (the root is implicit); raises :class:`BenchError` when bad."""
+        """A shape from a YAML list of rank paths (the root is implicit; tokens unset: -1); one sentence when bad."""
         try:
             clean = [tuple(int(r) for r in p) for p in paths]
         except (TypeError, ValueError):
@@ -43,52 +90,44 @@ class Tree:
                 raise BenchError(f"tree path {list(p)} has no parent {list(p[:-1])} in the tree.")
         if len(seen) != len(clean):
             raise BenchError("tree lists a path twice.")
-        return cls(((),) + tuple(sorted(seen, key=lambda p: (len(p), p))))
-
-    @classmethod
-    def chain(cls, depth: int) -> "Tree":
-        """A single path of top-1 proposals: plain speculative decoding's chain."""
-        return cls(tuple((0,) * d for d in range(depth + 1)))
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    @cached_property
-    def depth(self) -> torch.Tensor:
-        """``LongTensor (n,)``: node depths (root 0)."""
-        return torch.tensor([len(p) for p in self.paths])
-
-    @property
-    def max_depth(self) -> int:
-        return len(self.paths[-1])
-
-    @cached_property
-    def parent(self) -> list[int]:
-        """Node index of each node's parent (-1 for the root)."""
-        index = {p: i for i, p in enumerate(self.paths)}
-        return [-1] + [index[p[:-1]] for p in self.paths[1:]]
-
-    @cached_property
-    def children(self) -> list[list[int]]:
-        kids: list[list[int]] = [[] for _ in self.paths]
-        for i, p in enumerate(self.parent[1:], start=1):
-            kids[p].append(i)
-        return kids
-
-    @cached_property
-    def ancestry(self) -> torch.Tensor:
-        """``BoolTensor (n, n)``: ``[i, j]`` is True when node j is node i or one of its ancestors."""
-        n = len(self.paths)
-        anc = torch.eye(n, dtype=torch.bool)
-        for i in range(1, n):  # parents come before children, so their rows are complete already
-            anc[i] |= anc[self.parent[i]]
-        return anc
+        tree, index = cls(), {(): 0}
+        for p in sorted(seen, key=lambda p: (len(p), p)):
+            index[p] = len(tree)
+            tree.tokens.append(-1)
+            tree.parent.append(index[p[:-1]])
+            tree.depth.append(len(p))
+            tree.source.append(p)
+            tree.children.append([])
+            tree.children[index[p[:-1]]].append(index[p])
+        tree.paths = ((),) + tuple(sorted(seen, key=lambda p: (len(p), p)))
+        return tree
 
     def prune(self, max_depth: int) -> "Tree":
-        """The nodes of depth <= ``max_depth`` (a prefix, by breadth-first order)."""
+        """The nodes of depth <= ``max_depth`` (a prefix of a breadth-first shape)."""
         if max_depth >= self.max_depth:
             return self
-        return Tree(tuple(p for p in self.paths if len(p) <= max_depth))
+        keep = [v for v in range(len(self)) if self.depth[v] <= max_depth]
+        if keep != list(range(len(keep))):
+            raise ValueError("prune needs a breadth-first tree")
+        out = Tree(self.tokens[0])
+        out.tokens, out.parent, out.depth = self.tokens[: len(keep)], self.parent[: len(keep)], self.depth[: len(keep)]
+        out.source = self.source[: len(keep)]
+        out.children = [[c for c in kids if c < len(keep)] for kids in self.children[: len(keep)]]
+        out.paths = self.paths[: len(keep)] if self.paths is not None else None
+        return out
+
+    def fill(self, tokens: list[int]) -> "Tree":
+        """This shape with its node tokens set (``tokens[0]`` is the root); the structure is shared."""
+        out = Tree.__new__(Tree)
+        out.__dict__.update(self.__dict__)
+        out.tokens = [int(t) for t in tokens]
+        return out
+
+    # ------------------------------------------------------------------------------------------- reading
+
+    def child_with(self, node: int, token: int) -> int | None:
+        """The child of ``node`` that holds ``token`` (None: the target's token was not drafted there)."""
+        return next((c for c in self.children[node] if self.tokens[c] == token), None)
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root to ``node``, both included."""
@@ -98,80 +137,55 @@ class Tree:
             node = self.parent[node]
         return out[::-1]
 
+    def ancestry(self) -> torch.Tensor:
+        """``BoolTensor (n, n)``: ``[i, j]`` is True when node j is node i or one of its ancestors."""
+        if self._ancestry is None:
+            n = len(self)
+            anc = torch.eye(n, dtype=torch.bool)
+            for i in range(1, n):  # parents come first, so their rows are complete already
+                anc[i] |= anc[self.parent[i]]
+            self._ancestry = anc
+        return self._ancestry
 
-def tree_attention_mask(tree: Tree, past: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive mask ``(1, 1, n, past + n)``: 0 where a node may attend (cache, ancestors, itself), else -inf-ish.
-
-    Additive (not boolean) because transformers' eager attention adds the mask to the scores, while SDPA
-    takes either; a 4D mask is passed through by ``create_causal_mask`` as is.
-    """
-    n = len(tree)
-    allowed = torch.cat([torch.ones(n, past, dtype=torch.bool), tree.ancestry], dim=1).to(device)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
+    def attention_mask(self, past: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """Additive mask ``(1, 1, n, past + n)``: 0 where a node may attend (cache, ancestors, itself), the
+        dtype's minimum elsewhere. Additive because transformers' eager attention adds the mask to the
+        scores (SDPA takes either); a 4D mask is passed through ``create_causal_mask`` as is."""
+        n = len(self)
+        allowed = torch.cat([torch.ones(n, past, dtype=torch.bool), self.ancestry()], dim=1).to(device)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return mask[None, None]
 
 
-def score_tree(target, cache, tokens: torch.Tensor, tree: Tree):
+def score_tree(target, cache, tree: Tree, hidden: bool = False, **kwargs):
     """Score every node of ``tree`` in ONE forward of ``target`` (a ``CountedLM``); the cache grows by ``n``.
 
-    Args:
-        tokens: ``LongTensor (n,)``, node tokens in the tree's order (node 0 = the pending token).
-    Returns:
-        ``(logits, hidden)``: ``(n, vocab)`` and the last (normed) hidden states ``(n, hidden)``.
+    A chain is a plain causal forward (no mask); any other tree gets the tree attention mask and positions
+    ``past + depth``. Returns ``(logits (n, vocab), hidden (n, hidden) or None)``: the last hidden states
+    only when ``hidden``.
     """
-    past = cache.get_seq_length()
-    dtype = next(target.module.parameters()).dtype
-    mask = tree_attention_mask(tree, past, dtype, tokens.device)
-    position_ids = (past + tree.depth.to(tokens.device)).unsqueeze(0)
-    out = target(tokens.unsqueeze(0), cache, attention_mask=mask, position_ids=position_ids, output_hidden_states=True)
-    return out.logits[0], out.hidden_states[-1][0]
+    device = target.device
+    ids = torch.tensor([tree.tokens], device=device)
+    if not tree.is_chain:
+        past = cache.get_seq_length()
+        dtype = next(target.module.parameters()).dtype
+        kwargs["attention_mask"] = tree.attention_mask(past, dtype, device)
+        kwargs["position_ids"] = (past + torch.tensor(tree.depth, device=device)).unsqueeze(0)
+    out = target(ids, cache, output_hidden_states=hidden, **kwargs)
+    return out.logits[0], (out.hidden_states[-1][0] if hidden else None)
 
 
 def keep_path(cache, past: int, path: list[int]) -> None:
-    """Keep the KV entries of the tree nodes ``path`` (indices into the scored tree) right after the first
-    ``past`` positions and drop the rest: the cache then holds the prefix plus the accepted path, in order,
-    with nothing recomputed."""
-    idx = torch.tensor(path, device=cache.layers[0].keys.device) + past
+    """Keep the KV entries of the tree nodes ``path`` right after the first ``past`` positions and drop the
+    rest: the cache then holds the prefix plus the accepted path, in order, with nothing recomputed."""
     n = len(path)
-    for layer in cache.layers:
-        # index_select copies before the slice is overwritten, so overlapping source and target are safe.
-        layer.keys[..., past : past + n, :] = layer.keys.index_select(-2, idx)
-        layer.values[..., past : past + n, :] = layer.values.index_select(-2, idx)
+    if path != list(range(n)):  # a prefix of the nodes (always, for a chain) is already in place
+        idx = torch.tensor(path, device=cache.layers[0].keys.device) + past
+        for layer in cache.layers:
+            # index_select copies before the slice is overwritten, so overlapping source and target are safe.
+            layer.keys[..., past : past + n, :] = layer.keys.index_select(-2, idx)
+            layer.values[..., past : past + n, :] = layer.values.index_select(-2, idx)
     extra = cache.get_seq_length() - (past + n)
     if extra > 0:
         cache.crop(-extra)
-
-
-def greedy_path(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor) -> tuple[list[int], int]:
-    """The longest root path on which every node is the target's own greedy choice after its parent.
-
-    Returns ``(path, next_token)``: node indices from the root, and the target's greedy token after the
-    path's last node (its correction, or the bonus token when a leaf is reached). Lossless by construction.
-    """
-    choice = logits.argmax(-1).tolist()  # (n,) the target's next token after each node
-    toks = tokens.tolist()
-    path = [0]
-    while True:
-        node = path[-1]
-        nxt = next((c for c in tree.children[node] if toks[c] == choice[node]), None)
-        if nxt is None:
-            return path, choice[node]
-        path.append(nxt)
-
-
-def typical_path(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, sampling: Sampling, generator,
-                 threshold: float, alpha: float) -> tuple[list[int], int]:
-    """Medusa's typical acceptance (Cai et al. 2024, Sec. 2.3.1) -- LOSSY: node x after parent p stands when
-    ``p_target(x | p) > min(threshold, alpha * exp(-H(p_target(. | p))))``; the deepest node whose whole
-    path stands wins, and the next token is sampled from the target at that node."""
-    probs = probs_from_logits(logits, sampling)  # (n, vocab)
-    entropy = -(probs * probs.clamp_min(1e-20).log()).sum(-1)  # (n,)
-    bar = torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
-    parent = torch.tensor(tree.parent[1:], device=logits.device)
-    ok = torch.ones(len(tree), dtype=torch.bool)
-    ok[1:] = (probs[parent, tokens[1:]] > bar[parent]).cpu()
-    ok_path = (~tree.ancestry | ok[None, :]).all(-1)  # every node on the path stands
-    depth = torch.where(ok_path, tree.depth, -1)
-    best = int(depth.argmax())  # first (breadth-first) among the deepest
-    return tree.path_to(best), int(sample(probs[best], generator))

@@ -34,11 +34,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from decoding.corpus import corpus
 from bench.counting import Counted, CountedModule
-from decoding.distill import pick_vocab, sub_index, target_identity, teacher_pass, token_chunks
 from bench.errors import BenchError
 from bench.models import atomic_dir, recipe_key
+from decoding.corpus import corpus
+from decoding.distill import (
+    pick_vocab,
+    sub_index,
+    target_identity,
+    teacher_pass,
+    token_chunks,
+)
 from decoding.training import fit
 
 log = logging.getLogger(__name__)

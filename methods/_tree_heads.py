@@ -1,22 +1,21 @@
-"""The decode loop Medusa and Hydra share: heads propose a tree, the target verifies it in ONE forward.
+"""The loop Medusa and Hydra share: heads propose a tree, the target verifies it in ONE forward.
 
-Each step: the heads read the target's last hidden state at the last committed position and fill a
-candidate tree rooted at the pending token (committed, not yet in the KV cache); the target scores every
-node under a tree attention mask (:func:`decoding.tree.score_tree`); the longest path matching the target's
-greedy choice stands, plus the target's own next token; the cache keeps that path's entries only
-(:func:`decoding.tree.keep_path`), and the hidden state of the path's last node feeds the next step's heads.
-With ``recipe.prefix_layer`` (Hydra++) the path's hidden states go through the prefix layer first
+Each step the heads read the target's last hidden state at the last committed position and fill the
+method's candidate tree shape (:class:`decoding.tree.Tree` from rank paths) rooted at the pending token; the
+shared loop (:class:`methods.base.DraftVerify`) scores every node under a tree attention mask, keeps the
+accepted path's KV entries, and the hidden state of the path's last node feeds the next step's heads. With
+``recipe.prefix_layer`` (Hydra++) the path's hidden states go through the prefix layer first
 (:meth:`TreeHeadsMethod.heads_input`), which keeps a KV cache of its own over the committed positions; it is
 the counted role ``prefix``. Either way the target runs once per step.
 
-- Greedy (``temperature: 0``): lossless, equal to ``ar`` token for token.
-- ``typical: true`` with ``temperature > 0``: Medusa's typical acceptance over the tree -- LOSSY
-  (``lossless`` is False on such an instance, and records carry ``extra.typical``).
-- ``temperature > 0`` without ``typical``: no lossless tree rule is implemented, so the tree falls back to
-  a chain of the heads' top-1 proposals (depth = the tree's depth), verified by the shared rejection
-  sampler :func:`decoding.verify.verify_chain` with one-hot draft rows (a deterministic drafter): lossless.
+- Greedy: the longest path of the target's own argmax choices: equal to ``ar`` token for token.
+- Sampling: recursive rejection sampling over each node's children (:func:`decoding.verify.verify_tree`;
+  the candidates are a head's top-k, deterministic, so one-hot q): distributed exactly as the target's.
+- ``typical: true`` with ``temperature > 0``: Medusa's typical acceptance (:func:`typical_path`) instead --
+  LOSSY (:meth:`~TreeHeadsMethod.is_lossless` says so, and records carry ``extra.typical``). At temperature 0
+  typical acceptance is the greedy rule, and lossless.
 
-Subclasses (``methods/medusa.py``, ``methods/hydra.py``) set ``kind`` and implement :meth:`propose`.
+Subclasses (``methods/medusa.py``, ``methods/hydra.py``) set ``kind`` and implement :meth:`fill`.
 """
 
 from __future__ import annotations
@@ -25,23 +24,47 @@ import torch
 from transformers import DynamicCache
 
 from bench.errors import BenchError
-from methods._heads import KINDS, LOSSES, CountedHeads, CountedPrefix, load_or_train_heads
-from decoding.sampling import next_token
-from decoding.tree import Tree, greedy_path, keep_path, score_tree, typical_path
-from decoding.verify import verify_chain
-from methods.base import Decoded, Method
+from decoding.sampling import Sampling, probs_from_logits, sample
+from decoding.tree import Tree
+from methods._heads import (
+    KINDS,
+    LOSSES,
+    CountedHeads,
+    CountedPrefix,
+    load_or_train_heads,
+)
+from methods.base import Decoding, Draft, DraftVerify
 
 _RECIPE_POSITIVE = ("num_heads", "vocab", "max_tokens", "eval_tokens", "seq_len", "batch_size", "epochs", "topk")
 
 
-class TreeHeadsMethod(Method):
+def typical_path(tree: Tree, logits: torch.Tensor, sampling: Sampling, generator, threshold: float,
+                 alpha: float) -> tuple[list[int], int]:
+    """Medusa's typical acceptance (Cai et al. 2024, Sec. 2.3.1) -- LOSSY: node x after parent p stands when
+    ``p_target(x | p) > min(threshold, alpha * exp(-H(p_target(. | p))))``; the deepest node whose whole
+    path stands wins, and the next token is sampled from the target at that node."""
+    probs = probs_from_logits(logits, sampling)  # (n, vocab)
+    entropy = -(probs * probs.clamp_min(1e-20).log()).sum(-1)  # (n,)
+    bar = torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
+    parent = torch.tensor(tree.parent[1:], device=logits.device)
+    tokens = torch.tensor(tree.tokens[1:], device=logits.device)
+    ok = torch.ones(len(tree), dtype=torch.bool)
+    ok[1:] = (probs[parent, tokens] > bar[parent]).cpu()
+    ok_path = (~tree.ancestry() | ok[None, :]).all(-1)  # every node on the path stands
+    depth = torch.where(ok_path, torch.tensor(tree.depth), -1)
+    best = int(depth.argmax())  # first (breadth-first) among the deepest
+    return tree.path_to(best), int(sample(probs[best], generator))
+
+
+class TreeHeadsMethod(DraftVerify):
     kind = "?"
+    hidden = True  # the heads read the target's last hidden states
 
     def __init__(self, cfg, pair):
         super().__init__(cfg, pair)
         self.check(cfg)
-        self.tree = Tree.from_paths(cfg.tree)
-        self.chain = Tree.chain(self.tree.max_depth)
+        self.shape = Tree.from_paths(cfg.tree)
+        self.shapes = {d: self.shape.prune(d) for d in range(self.shape.max_depth + 1)}  # pruned near the budget
         self.report: dict = {}
         self.heads: CountedHeads | None = None
         self.prefix: CountedPrefix | None = None
@@ -80,7 +103,7 @@ class TreeHeadsMethod(Method):
         target = self.pair.target.module
         heads, prefix, self.report = load_or_train_heads(target, self.pair.tokenizer, self.kind, self.cfg.recipe,
                                                          self.pair.cache, train_if_missing)
-        if heads.num_heads < self.tree.max_depth or heads.blocks[0].linear.out_features != target.config.hidden_size:
+        if heads.num_heads < self.shape.max_depth or heads.blocks[0].linear.out_features != target.config.hidden_size:
             raise BenchError(f"the cached {self.kind} heads do not fit this target and tree; delete them to retrain.")
         # Registered as a role so the harness counts the heads' calls and FLOPs like any model's.
         self.heads = self.pair.add(CountedHeads(heads.to(device=self.pair.device, dtype=self.pair.dtype), "heads"))
@@ -104,70 +127,45 @@ class TreeHeadsMethod(Method):
             return hiddens[-1]
         return self.prefix(hiddens.unsqueeze(0), memory)[0, -1]
 
-    def propose(self, hidden: torch.Tensor, pending: int, tree: Tree) -> torch.Tensor:
-        """Fill ``tree`` with candidates.
+    def fill(self, hidden: torch.Tensor, pending: int, shape: Tree) -> Tree:
+        """``shape`` with its tokens proposed by the heads.
 
         Args:
-            hidden: ``(hidden,)`` the target's last hidden state at the last committed position.
+            hidden: ``(hidden,)`` the heads' input at the last committed position (:meth:`heads_input`).
             pending: the target's token after it (the root).
-        Returns:
-            ``LongTensor (len(tree),)``: node tokens in the tree's order, node 0 = ``pending``.
         """
         raise NotImplementedError
 
-    def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> Decoded:
+    def start(self, st: Decoding) -> None:
         if self.heads is None:
             self.setup(train_if_missing=False)
-        target, device = self.pair.target, prompt_ids.device
-        typical = bool(self.cfg.get("typical", False)) and not sampling.greedy
-        base = self.tree if sampling.greedy or typical else self.chain
-        cache = DynamicCache()
-        memory = DynamicCache() if self.prefix is not None else None  # the prefix layer's own KV cache
-        out = target(prompt_ids, cache, logits_to_keep=1, output_hidden_states=True)
-        first = int(next_token(out.logits[0, -1], sampling, generator))
-        emitted = [first]
-        on_tokens(1)
-        emitted, done = self.finish(emitted, max_new_tokens)
-        if not done:
-            hidden = self.heads_input(out.hidden_states[-1][0], memory)
-        accept_lengths, drafted, nodes, depths = [], [], [], []
-        while not done:
-            # Never propose past the token budget: the target's own token fills the last slot.
-            tree = base.prune(max_new_tokens - len(emitted) - 1)
-            tokens = self.propose(hidden, emitted[-1], tree) if len(tree) > 1 else torch.tensor([emitted[-1]], device=device)
-            past = cache.get_seq_length()
-            logits, hiddens = score_tree(target, cache, tokens, tree)  # ONE target forward for the whole tree
-            if sampling.greedy:
-                path, nxt = greedy_path(tree, tokens, logits)
-            elif typical:
-                path, nxt = typical_path(tree, tokens, logits, sampling, generator,
-                                         float(self.cfg.posterior_threshold), float(self.cfg.posterior_alpha))
-            else:
-                onehot = torch.nn.functional.one_hot(tokens[1:], logits.shape[-1]).to(logits.dtype)
-                n, nxt = verify_chain(tokens[1:], onehot, logits, sampling, generator)
-                path = list(range(n + 1))  # a chain's nodes are in path order
-            keep_path(cache, past, path)
-            committed = tokens[path[1:]].tolist() + [nxt]
-            emitted.extend(committed)
-            accept_lengths.append(len(committed))
-            drafted.append(tree.max_depth)  # the most candidates a call can accept: acceptance by position = by depth
-            nodes.append(len(tree))
-            depths.append(len(path) - 1)
-            before = len(emitted)
-            emitted, done = self.finish(emitted, max_new_tokens)
-            on_tokens(len(committed) - (before - len(emitted)))
-            if not done:  # the heads' input for the next step (nothing to run after the last one)
-                hidden = self.heads_input(hiddens[path], memory)
+        self.memory = DynamicCache() if self.prefix is not None else None  # the prefix layer's own KV cache
+        self.input = self.heads_input(st.prompt_hidden, self.memory)
+        self.typical = bool(self.cfg.get("typical", False)) and not st.sampling.greedy
+        self.nodes: list[int] = []
+
+    def propose(self, st: Decoding) -> Draft:
+        shape = self.shapes[min(st.room, self.shape.max_depth)]
+        tree = self.fill(self.input, st.seq[-1], shape) if len(shape) > 1 else Tree(st.seq[-1])
+        self.nodes.append(len(tree))
+        return Draft(tree)
+
+    def verify(self, st: Decoding, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
+        if self.typical:
+            return typical_path(draft.tree, logits, st.sampling, st.generator, float(self.cfg.posterior_threshold),
+                                float(self.cfg.posterior_alpha))
+        return super().verify(st, draft, logits)
+
+    def accepted(self, st: Decoding, draft: Draft, path: list[int], hidden: torch.Tensor) -> None:
+        if not st.done:  # the heads' input for the next step (nothing to run after the last one)
+            self.input = self.heads_input(hidden, self.memory)
+
+    def figures(self, st: Decoding) -> dict:
         extra = {
-            "tree_size": len(base),  # tokens the target scores per call (root included), before budget pruning
-            "tree_tokens_per_call": sum(nodes) / len(nodes) if nodes else float("nan"),  # as actually scored
-            # P(a call accepts at least d candidates), d = 1 .. depth, over calls whose tree reached depth d
-            "accept_at_depth": [
-                (sum(a >= d for a, k in zip(depths, drafted) if k >= d) / n_d) if (n_d := sum(k >= d for k in drafted)) else float("nan")
-                for d in range(1, base.max_depth + 1)
-            ],
-            "verify": "greedy" if sampling.greedy else ("typical" if typical else "chain"),
+            "tree_size": len(self.shape),  # tokens the target scores per call (root included), before budget pruning
+            "tree_tokens_per_call": sum(self.nodes) / len(self.nodes) if self.nodes else float("nan"),  # as scored
+            "verify": "greedy" if st.sampling.greedy else ("typical" if self.typical else "tree"),
         }
         if self.cfg.get("typical", False):
             extra["typical"] = True  # lossy when sampling: outputs are not distributed as the target's
-        return Decoded(emitted, accept_lengths=accept_lengths, drafted=drafted, extra=extra)
+        return extra

@@ -1,4 +1,17 @@
-"""The one decode interface every method implements, and what a decode returns."""
+"""The one decode interface every method implements, and the loop every draft-and-verify method shares.
+
+- :class:`Method`: what the harness calls (``setup``, ``decode``) and reads (``lossless``, ``drafts``,
+  ``is_lossless``, ``analytic_speedup``).
+- :class:`DraftVerify`: the loop of every draft-and-verify method: prefill, then per step ONE target forward
+  over what the method proposes, verification, commit. A subclass says only what is its own:
+  :meth:`~DraftVerify.propose` (and optionally :meth:`~DraftVerify.start`, :meth:`~DraftVerify.verify`,
+  :meth:`~DraftVerify.accepted`, :meth:`~DraftVerify.figures`).
+- :class:`Decoding`: one prompt's state, which the loop owns: the committed text, the target's KV cache (and
+  any cache a method registers with :meth:`~Decoding.track`), the token budget and the stop at EOS.
+
+Invariant after every commit: each tracked cache holds at most the committed text minus its last token (the
+pending one, fed with the next step's proposal), so a rejected proposal is dropped, never recomputed.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +21,13 @@ from typing import Callable
 
 import torch
 from omegaconf import DictConfig
+from transformers import DynamicCache
 
+from bench.counting import truncate_cache
 from bench.models import Pair
 from decoding.sampling import Sampling, next_token
+from decoding.tree import Tree, keep_path, score_tree
+from decoding.verify import verify_chain, verify_tree
 
 
 @dataclass
@@ -20,7 +37,7 @@ class Decoded:
     ``output_ids``: the new tokens only (prompt excluded), at most ``max_new_tokens``.
     ``accept_lengths``: tokens committed by each target call after the prefill (bonus token counted, so
     plain decoding gives 1 per call).
-    ``drafted``: tokens proposed for verification at each of those calls (0 for plain decoding); with
+    ``drafted``: tokens proposed along the deepest path at each of those calls (0 for plain decoding); with
     ``accept_lengths`` it gives the acceptance rate per draft position.
     ``extra``: method-specific per-prompt figures (tree size, per-level hits, ...), JSON-able.
     """
@@ -43,6 +60,17 @@ class Method:
     lossless: bool = True
     drafts: int = 0
 
+    def __init__(self, cfg: DictConfig, pair: Pair):
+        self.cfg = cfg
+        self.pair = pair
+
+    @classmethod
+    def check(cls, cfg: DictConfig) -> None:
+        """The method's own constraints on its settings, before any model loads: one sentence each."""
+
+    def setup(self, train_if_missing: bool = True) -> None:
+        """Load (or build, when missing) what the method needs beyond the pair: heads, verifier, tables."""
+
     def is_lossless(self, sampling: Sampling) -> bool:
         """Whether this instance's output is exactly the target's under ``sampling`` (what records say)."""
         return self.lossless
@@ -52,13 +80,6 @@ class Method:
         """The method's own analytic speedup model from the measured per-token acceptance ``alpha``, mean
         tokens drafted per target call ``gamma`` and draft/target cost ratio ``c``; NaN: it states none."""
         return float("nan")
-
-    def __init__(self, cfg: DictConfig, pair: Pair):
-        self.cfg = cfg
-        self.pair = pair
-
-    def setup(self, train_if_missing: bool = True) -> None:
-        """Load (or train, when missing) what the method needs beyond the pair: heads, verifier, tables."""
 
     def decode(
         self,
@@ -77,10 +98,8 @@ class Method:
         """
         raise NotImplementedError
 
-    # Shared helpers -----------------------------------------------------------------------------------
-
     @cached_property  # read at every decoding step: the tokenizer and generation config do not change
-    def eos_ids(self) -> set[int]:
+    def eos_ids(self) -> frozenset[int]:
         tok = self.pair.tokenizer
         ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
         gen = getattr(self.pair.target.module, "generation_config", None)
@@ -89,31 +108,145 @@ class Method:
             ids.add(extra)
         elif extra:
             ids.update(extra)
-        return ids
+        return frozenset(ids)
 
-    def prefill(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens, draft=None):
-        """Prefill the target (and ``draft``, if given) on the prompt and commit the target's first token.
 
-        Returns ``(target_cache, draft_cache, seq, out, done)``: ``seq`` is prompt + committed tokens (a
-        list), ``out`` the committed tokens. The draft's prefill is part of its cost and is counted as such.
-        """
-        from transformers import DynamicCache
+@dataclass
+class Draft:
+    """What a method proposes for one target forward: a token tree rooted at the pending token.
 
-        tcache, dcache = DynamicCache(), DynamicCache() if draft is not None else None
-        logits = self.pair.target(prompt_ids, tcache, logits_to_keep=1).logits[0, -1]
-        if draft is not None:
-            draft(prompt_ids, dcache, logits_to_keep=1)
-        out = [int(next_token(logits, sampling, generator))]
-        on_tokens(1)
-        out, done = self.finish(out, max_new_tokens)
-        return tcache, dcache, prompt_ids[0].tolist() + out, out, done
+    ``q``: ``FloatTensor (len(tree), vocab)``: row v is the distribution node v's token was drawn from, when
+    sampling from a draft model (row 0 unused); ``None`` for a deterministic drafter (n-gram lookups, the
+    top-k of heads), whose q is one-hot. ``rows``: how many rows of logits the target must return, the last
+    ones (0: all).
+    """
 
-    def finish(self, out: list[int], max_new_tokens: int) -> tuple[list[int], bool]:
-        """Cut committed tokens at the first EOS (kept) and at ``max_new_tokens``; True when decoding is done."""
-        eos = self.eos_ids
-        for i, t in enumerate(out):
-            if t in eos:
-                return out[: min(i + 1, max_new_tokens)], True
-        if len(out) >= max_new_tokens:
-            return out[:max_new_tokens], True
-        return out, False
+    tree: Tree
+    q: torch.Tensor | None = None
+    rows: int = 0
+
+    @classmethod
+    def chain(cls, pending: int, tokens, q: torch.Tensor | None = None) -> "Draft":
+        """A single path; ``q``: ``(len(tokens), vocab)`` when the tokens were sampled (None: deterministic)."""
+        tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        if q is not None:
+            q = torch.cat([q.new_zeros(1, q.shape[-1]), q])  # row 0 (the pending token) is never tested
+        return cls(Tree.chain(pending, tokens), q)
+
+    @property
+    def depth(self) -> int:
+        """Drafted tokens along the deepest path: what one call can gain at most, less the bonus token."""
+        return self.tree.max_depth
+
+
+class Decoding:
+    """One prompt's decoding state; :class:`DraftVerify` owns it, methods read it.
+
+    ``seq``: prompt + committed tokens (a list); ``cache``: the target's KV cache; ``room``: tokens a method
+    may still draft this step (the target's own token fills the last slot of the budget).
+    """
+
+    def __init__(self, method: Method, prompt_ids: torch.Tensor, max_new_tokens: int, sampling: Sampling,
+                 generator: torch.Generator | None, on_tokens: Callable[[int], None]):
+        self.method, self.pair = method, method.pair
+        self.prompt_ids, self.device = prompt_ids, prompt_ids.device
+        self.max_new_tokens, self.sampling, self.generator = max_new_tokens, sampling, generator
+        self.on_tokens = on_tokens
+        self.seq: list[int] = prompt_ids[0].tolist()
+        self.prompt_len = len(self.seq)
+        self.cache = DynamicCache()
+        self.caches: list = []
+        self.accept_lengths: list[int] = []
+        self.drafted: list[int] = []
+        self.done = False
+        self.prompt_hidden: torch.Tensor | None = None  # (prompt_len, hidden) for methods with hidden = True
+
+    @property
+    def out(self) -> list[int]:
+        return self.seq[self.prompt_len:]
+
+    @property
+    def room(self) -> int:
+        return self.max_new_tokens - len(self.seq) + self.prompt_len - 1
+
+    def track(self, cache) -> None:
+        """Roll ``cache`` back with the target's after each commit (a draft's cache, say)."""
+        self.caches.append(cache)
+
+    def commit(self, tokens: list[int], drafted: int | None) -> None:
+        """Append committed ``tokens``, cut them at the first EOS (kept) and at the budget, roll every tracked
+        cache back to the committed text minus the pending token, and tell the harness. ``drafted``: the
+        tokens proposed for this target call (``None`` for the prefill's token, which is no call's gain)."""
+        if drafted is not None:
+            self.accept_lengths.append(len(tokens))
+            self.drafted.append(drafted)
+        keep = min(len(tokens), self.room + 1)
+        eos = next((i for i, t in enumerate(tokens[:keep]) if t in self.method.eos_ids), None)
+        if eos is not None:
+            keep = eos + 1
+        self.seq.extend(tokens[:keep])
+        self.done = eos is not None or self.room < 0
+        for cache in (self.cache, *self.caches):
+            truncate_cache(cache, len(self.seq) - 1)
+        self.on_tokens(keep)
+
+    def decoded(self, extra: dict | None = None) -> Decoded:
+        return Decoded(self.out, self.accept_lengths, self.drafted, extra or {})
+
+
+class DraftVerify(Method):
+    """Draft-and-verify decoding: per step, ``propose`` a token tree (a chain is a tree of one path), the
+    target scores all of it in ONE forward, ``verify`` keeps a root path, and the base commits it.
+
+    Set ``hidden = True`` to get the target's last hidden states: at the prefill (:attr:`Decoding.prompt_hidden`)
+    and for the accepted path (the ``hidden`` argument of :meth:`accepted`).
+    """
+
+    hidden: bool = False
+
+    def start(self, st: Decoding) -> None:
+        """Per-prompt set-up after the target's prefill, before its first token is committed (a draft's
+        prefill, an index of the prompt); part of the timed decode."""
+
+    def propose(self, st: Decoding) -> Draft:
+        """The tokens to verify after ``st.seq``; at most ``st.room`` deep. An empty tree is a plain step."""
+        raise NotImplementedError
+
+    def verify(self, st: Decoding, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
+        """``(path, next_token)``: accepted nodes from the root (0) and the target's token after them.
+        ``logits``: ``(len(draft.tree), vocab)``, row v scoring the token after node v. Default: the shared
+        lossless verifiers (:func:`decoding.verify.verify_chain` for a chain, else :func:`verify_tree`)."""
+        if draft.tree.is_chain:
+            tokens = torch.tensor(draft.tree.tokens[1:], dtype=torch.long, device=logits.device)
+            q = draft.q[1:] if draft.q is not None else None
+            n, nxt = verify_chain(tokens, q, logits, st.sampling, st.generator)
+            return list(range(n + 1)), nxt
+        return verify_tree(draft.tree, logits, st.sampling, st.generator, draft.q)
+
+    def accepted(self, st: Decoding, draft: Draft, path: list[int], hidden: torch.Tensor | None) -> None:
+        """Called after each step's commit (``path`` includes the root; ``hidden``: ``(len(path), hidden)``
+        of the path's nodes when ``self.hidden``): update indexes, tallies, the next step's inputs (no
+        need for those once ``st.done``)."""
+
+    def figures(self, st: Decoding) -> dict:
+        """Per-prompt method-specific figures for ``Decoded.extra`` (JSON-able)."""
+        return {}
+
+    def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> Decoded:
+        st = Decoding(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens)
+        # The prefill: the whole prompt in one forward; only the last position needs logits.
+        out = self.pair.target(prompt_ids, st.cache, logits_to_keep=1, output_hidden_states=self.hidden)
+        st.prompt_hidden = out.hidden_states[-1][0] if self.hidden else None
+        self.start(st)
+        st.commit([int(next_token(out.logits[0, -1], sampling, generator))], drafted=None)
+        while not st.done:
+            draft = self.propose(st)
+            past = st.cache.get_seq_length()
+            # ONE target forward scores the pending token and every proposed node.
+            keep = {"logits_to_keep": draft.rows} if draft.rows else {}
+            logits, hidden = score_tree(self.pair.target, st.cache, draft.tree, self.hidden, **keep)
+            path, nxt = self.verify(st, draft, logits)
+            keep_path(st.cache, past, path)  # the root and the accepted nodes; the new token is pending
+            st.commit([draft.tree.tokens[v] for v in path[1:]] + [nxt], drafted=draft.depth)
+            self.accepted(st, draft, path, hidden[path] if hidden is not None else None)
+        return st.decoded(self.figures(st))

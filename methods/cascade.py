@@ -18,8 +18,9 @@ top ``lenience``). When sampling, inner reviews are strict rejection sampling, s
 emits is distributed as that model's own next-token distribution q, which the target's exact test needs
 (statistical tokens are deterministic: one-hot q). Either way greedy output equals ``ar``.
 
-KV caches are never recomputed: each model level keeps the tokens its cache holds and, before scoring, is
-cropped to the longest common prefix with the text it is asked about.
+KV caches are never recomputed: the target's is the shared loop's (:class:`methods.base.DraftVerify`); each
+draft level keeps the tokens its cache holds and, before scoring, is cropped to the longest common prefix
+with the text it is asked about.
 """
 
 from __future__ import annotations
@@ -28,16 +29,15 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from decoding.corpus import check_corpus
 from bench.counting import truncate_cache
 from bench.errors import BenchError
 from bench.metrics import ratio
-from decoding.ngram import NGramIndex, load_bigram_table
 from bench.registry import register
-from decoding.sampling import next_token, probs_from_logits
+from decoding.corpus import check_corpus
+from decoding.ngram import NGramIndex, check_ngram_sizes, load_bigram_table
+from decoding.sampling import probs_from_logits
 from decoding.verify import verify_chain
-from methods.base import Decoded, Method
-from methods.pld import check_ngram_settings
+from methods.base import Decoding, Draft, DraftVerify
 
 # Default k-matrices by the number of levels (target, drafts..., statistical): row i lists how many tokens
 # each lower level contributes to one proposal that level i reviews. A level asked for n tokens reviews
@@ -50,7 +50,7 @@ DEFAULT_K = {
 
 
 class ModelLevel:
-    """A causal LM with its own KV cache and the token ids that cache holds."""
+    """A draft model with its own KV cache and the token ids that cache holds."""
 
     def __init__(self, lm, name: str):
         self.lm, self.name = lm, name
@@ -95,14 +95,29 @@ class StatLevel:
         return tokens + self.bigram.chain(tokens[-1] if tokens else ctx[-1], n - len(tokens))
 
 
+class TargetLevel:
+    """Level 0: the target, whose reviews are the shared loop's one forward per step."""
+
+    name = "target"
+
+
+def q_matrix(tokens: torch.Tensor, q_rows: list, vocab: int) -> torch.Tensor | None:
+    """``(k, vocab)`` proposal distributions: a model level's row, or one-hot for a deterministic statistical
+    token (``None`` in ``q_rows``); ``None`` when every token is deterministic."""
+    if all(r is None for r in q_rows):
+        return None
+    rows = [r if r is not None else F.one_hot(tokens[i], vocab).to(torch.float32) for i, r in enumerate(q_rows)]
+    return torch.stack(rows).to(tokens.device)
+
+
 @register("cascade")
-class Cascade(Method):
+class Cascade(DraftVerify):
     lossless = True
-    drafts = 2
+    drafts = 2  # at most: a pair with one draft gives a three-level cascade
 
     @classmethod
     def check(cls, cfg) -> None:
-        check_ngram_settings(cfg)
+        check_ngram_sizes(cfg)
         if int(cfg.lenience) < 1:
             raise BenchError(f"method.lenience must be at least 1 (1 = strict inner reviews), got {cfg.lenience}.")
         check_corpus(cfg.corpus)
@@ -122,9 +137,8 @@ class Cascade(Method):
 
     def setup(self, train_if_missing: bool = True) -> None:
         self.check(self.cfg)
-        target = self.pair.target
-        self.bigram = load_bigram_table(self.pair.tokenizer, target.module.config.vocab_size, self.cfg.corpus,
-                                        self.pair.cache)
+        self.bigram = load_bigram_table(self.pair.tokenizer, self.pair.target.module.config.vocab_size,
+                                        self.cfg.corpus, self.pair.cache)
         _ = self.pair.draft  # a pair without a draft model raises its one-sentence error here
         n_levels = 1 + len(self.pair.drafts[:2]) + 1
         k = self.cfg.get("k_matrix")
@@ -135,7 +149,7 @@ class Cascade(Method):
 
     # --------------------------------------------------------------------------------------- the cascade
 
-    def propose(self, i: int, ctx: list[int], limit: int):
+    def propose_for(self, i: int, ctx: list[int], limit: int):
         """The proposal level ``i`` reviews after ``ctx``: at most ``limit`` tokens, ``k[i][0]`` from level
         i+1, then ``k[i][1]`` from level i+2, ... Returns ``(tokens, q_rows, sources)``: ``q_rows`` holds one
         ``FloatTensor (vocab,)`` per token when sampling (``None`` for a deterministic statistical token),
@@ -159,31 +173,27 @@ class Cascade(Method):
         gen, q_rows = [], []
         while len(gen) < n:
             # A review yields up to len(proposal) + 1 tokens: propose one fewer than still needed.
-            prop, pq, src = self.propose(j, ctx + gen, n - len(gen) - 1)
-            logits = level.score(ctx + gen, prop, self.device)
-            acc, nxt = self.review(logits, prop, pq, self.inner_lenience)
+            prop, pq, src = self.propose_for(j, ctx + gen, n - len(gen) - 1)
+            logits = level.score(ctx + gen, prop, self.st.device)
+            acc, nxt = self.review(logits, prop, pq)
             self.tally(j, src, acc)
             gen += prop[:acc] + [nxt]
-            if not self.sampling.greedy:
+            if not self.st.sampling.greedy:
                 # Each emitted token is distributed as this level's own next-token distribution.
-                q_rows += list(probs_from_logits(logits[: acc + 1], self.sampling))
+                q_rows += list(probs_from_logits(logits[: acc + 1], self.st.sampling))
         return gen, q_rows
 
-    def review(self, logits, prop: list[int], q_rows: list, lenience: int) -> tuple[int, int]:
-        """Accepted count and next token; strict is the shared verifier, lenient (greedy inner) uses top-k."""
+    def review(self, logits, prop: list[int], q_rows: list) -> tuple[int, int]:
+        """An inner review's accepted count and next token: lenient (greedy only) is top-k membership,
+        strict is the shared verifier."""
         tokens = torch.tensor(prop, dtype=torch.long, device=logits.device)
-        if lenience > 1:
-            top = logits[: len(prop)].topk(lenience, dim=-1).indices  # (k, lenience)
-            ok = (top == tokens[:, None]).any(-1)
-            bad = (~ok).nonzero()
+        if self.lenience > 1:
+            top = logits[: len(prop)].topk(self.lenience, dim=-1).indices  # (k, lenience)
+            bad = (~(top == tokens[:, None]).any(-1)).nonzero()
             acc = int(bad[0]) if bad.numel() else len(prop)
             return acc, int(logits[acc].argmax())
-        q = None
-        if not self.sampling.greedy:
-            vocab = logits.shape[-1]
-            rows = [r if r is not None else F.one_hot(tokens[i], vocab).float() for i, r in enumerate(q_rows)]
-            q = torch.stack(rows).to(logits.device) if rows else logits.new_zeros((0, vocab))
-        return verify_chain(tokens, q, logits, self.sampling, self.generator)
+        q = None if self.st.sampling.greedy else q_matrix(tokens, q_rows, logits.shape[-1])
+        return verify_chain(tokens, q, logits, self.st.sampling, self.st.generator)
 
     def tally(self, reviewer: int, sources: list[int], accepted: int) -> None:
         for pos, j in enumerate(sources):
@@ -192,43 +202,29 @@ class Cascade(Method):
             stat["proposed"] += 1
             stat["accepted"] += pos < accepted
 
-    # --------------------------------------------------------------------------------------- decoding
+    # --------------------------------------------------------------------------------------- the loop
 
-    def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> Decoded:
-        self.device, self.sampling, self.generator = prompt_ids.device, sampling, generator
+    def start(self, st: Decoding) -> None:
+        self.st = st
         # Lenient inner reviews change what a level emits, so only greedy decoding may use them.
-        self.inner_lenience = int(self.cfg.lenience) if sampling.greedy else 1
-        seq = prompt_ids[0].tolist()
-        index = NGramIndex(int(self.cfg.min_ngram), int(self.cfg.max_ngram))
-        index.add_document(seq)
-        target = ModelLevel(self.pair.target, "target")
+        self.lenience = int(self.cfg.lenience) if st.sampling.greedy else 1
+        self.index = NGramIndex(int(self.cfg.min_ngram), int(self.cfg.max_ngram))
+        self.index.add_document(st.seq)
         drafts = [ModelLevel(d, d.role) for d in self.pair.drafts[:2]]
-        self.levels = [target, *drafts, StatLevel(index, self.bigram)]
+        self.levels = [TargetLevel(), *drafts, StatLevel(self.index, self.bigram)]
         self.reviews: dict[str, dict] = {}
 
-        logits = target.score(seq, [], self.device)  # the prefill
-        first = int(next_token(logits[-1], sampling, generator))
-        out = [first]
-        seq.append(first)
-        index.extend([first])
-        on_tokens(1)
-        out, done = self.finish(out, max_new_tokens)
-        accept_lengths, drafted = [], []
-        while not done:
-            # Never draft past the token budget: the target's own token fills the last slot.
-            prop, pq, src = self.propose(0, seq, max_new_tokens - len(out) - 1)
-            logits = target.score(seq, prop, self.device)
-            n, nxt = self.review(logits, prop, pq, lenience=1)  # the target's review is always strict
-            self.tally(0, src, n)
-            committed = prop[:n] + [nxt]
-            seq.extend(committed)
-            index.extend(committed)
-            out.extend(committed)
-            accept_lengths.append(n + 1)
-            drafted.append(len(prop))
-            before = len(out)
-            out, done = self.finish(out, max_new_tokens)
-            on_tokens(len(committed) - (before - len(out)))
+    def propose(self, st: Decoding) -> Draft:
+        self.index.extend(st.seq[len(self.index):])
+        tokens, q_rows, self.sources = self.propose_for(0, st.seq, st.room)
+        q = None if st.sampling.greedy else q_matrix(torch.tensor(tokens, dtype=torch.long, device=st.device),
+                                                      q_rows, self.pair.target.module.config.vocab_size)
+        return Draft.chain(st.seq[-1], tokens, q)
+
+    def accepted(self, st: Decoding, draft: Draft, path: list[int], hidden) -> None:
+        self.tally(0, self.sources, len(path) - 1)  # the target's review is always strict
+
+    def figures(self, st: Decoding) -> dict:
         for stat in self.reviews.values():
             stat["accept_rate"] = ratio(stat["accepted"], stat["proposed"])  # proposed tokens the reviewer kept
         stat_level = self.levels[-1]
@@ -238,7 +234,7 @@ class Cascade(Method):
             "reviews": self.reviews,  # "<drafter>><reviewer>": tokens proposed / accepted / rate
             "stat_lookups": stat_level.lookups,  # statistical drafts asked for
             "stat_context_hit_rate": ratio(stat_level.context_hits, stat_level.lookups),  # found in the text itself
-            "lenience": self.inner_lenience,
+            "lenience": self.lenience,
         }
-        self.levels = []  # the caches belong to this prompt only
-        return Decoded(out, accept_lengths=accept_lengths, drafted=drafted, extra=extra)
+        self.levels, self.st = [], None  # the caches belong to this prompt only
+        return extra

@@ -4,21 +4,17 @@ the current text come from three token databases, queried in order of temporal l
 ``num_candidates`` are found:
 
 1. context-dependent: n-grams of the current prompt and of what has been generated for it so far;
-2. model-dependent: n-grams of the target's own earlier generations: its greedy answers to packaged
-   instructions (``model_db``; generated once by the harness and cached, keyed by the target), the outputs
-   of the other prompts decoded by this method in this process, and optionally the outputs in a
-   ``records.jsonl`` of an earlier run on the same pair; a prompt's own earlier output is never used, so
-   warm-up decodes and repeated prompts do not leak the answer;
+2. model-dependent: n-grams of the target's own generations: its greedy answers to packaged instructions
+   (``model_db``; generated once by the harness and cached, keyed by the target) and, optionally, the outputs
+   in a ``records.jsonl`` of an earlier run on the same pair (``model_db_file``; a prompt's own earlier output
+   is never used). The paper's database also grows with the outputs of earlier prompts; here it does not,
+   so a prompt's result does not depend on which prompts ran before it (order, resume, sweeps);
 3. statistics-dependent: the most frequent continuations of each n-gram of packaged text
    (:class:`decoding.ngram.CorpusNGrams`, built once and cached).
 
-All candidates are verified in ONE target forward: they are merged into a token tree (shared prefixes
-once), flattened, and scored with a 4D attention mask in which each node sees the committed text and its
-own ancestors only. The target then walks the tree from the root with its own choice at each node (greedy
-argmax, or a sample from its distribution): while that choice is a child, the walk goes on. The drafts are
-deterministic, so this is exactly the target's own decoding: lossless for greedy and for sampling. The
-KV entries of the accepted path are moved next to the committed text and the rest is dropped: the cache
-stays consistent without recomputing anything.
+All candidates are merged into one token tree (:class:`decoding.tree.Tree`, shared prefixes once) and
+scored in ONE target forward; the shared tree verifier walks it with the target's own choice (greedy), or
+with recursive rejection sampling over one-hot candidates (sampling): lossless either way.
 """
 
 from __future__ import annotations
@@ -29,76 +25,15 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from decoding.corpus import check_corpus
-from bench.counting import truncate_cache
 from bench.errors import BenchError
 from bench.metrics import ratio
-from decoding.ngram import NGramIndex, load_corpus_ngrams
 from bench.registry import register
-from decoding.sampling import next_token
-from methods.base import Decoded, Method
-from methods.pld import check_ngram_settings
+from decoding.corpus import check_corpus
+from decoding.ngram import NGramIndex, check_ngram_sizes, load_corpus_ngrams
+from decoding.tree import Tree
+from methods.base import Decoding, Draft, DraftVerify
 
 DATABASES = ("context", "model", "statistics")
-
-
-class TokenTree:
-    """Candidate continuations merged into a tree. Node 0 is the root: the pending (last committed) token.
-
-    ``tokens[v]``, ``parent[v]``, ``depth[v]`` (root 0) and ``source[v]`` (the database whose candidate
-    first created node v) describe node v; ``children[v]`` maps a token to its child node.
-    """
-
-    def __init__(self, root_token: int):
-        self.tokens, self.parent, self.depth, self.source = [root_token], [-1], [0], [None]
-        self.children: list[dict[int, int]] = [{}]
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def add(self, candidate: list[int], source: str) -> int:
-        """Insert a candidate path below the root; returns the number of new nodes it created."""
-        node, new = 0, 0
-        for tok in candidate:
-            child = self.children[node].get(tok)
-            if child is None:
-                child = len(self.tokens)
-                self.tokens.append(tok)
-                self.parent.append(node)
-                self.depth.append(self.depth[node] + 1)
-                self.source.append(source)
-                self.children.append({})
-                self.children[node][tok] = child
-                new += 1
-            node = child
-        return new
-
-    def attention_mask(self, past: int, dtype: torch.dtype, device) -> torch.Tensor:
-        """Additive mask ``(1, 1, nodes, past + nodes)``: 0 where node i may attend (the committed text, its
-        ancestors and itself), the dtype's minimum elsewhere."""
-        n = len(self)
-        allowed = torch.zeros((n, past + n), dtype=torch.bool)
-        allowed[:, :past] = True
-        for v in range(n):
-            u = v
-            while u >= 0:
-                allowed[v, past + u] = True
-                u = self.parent[u]
-        mask = torch.zeros((n, past + n), dtype=dtype)
-        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-        return mask.view(1, 1, n, past + n).to(device)
-
-
-def keep_positions(cache, past: int, nodes: list[int]) -> None:
-    """Keep, after the first ``past`` cache positions, only the tree nodes ``nodes`` (in that order): their
-    keys and values move to positions ``past, past + 1, ...`` and the rest of the tree is cropped."""
-    if nodes != list(range(len(nodes))):  # the common case (a path along the first nodes) needs no move
-        src = torch.tensor(nodes, device=cache.layers[0].keys.device) + past
-        for layer in cache.layers:
-            # The gather on the right is a copy, so overlapping source and destination are safe.
-            layer.keys[..., past:past + len(nodes), :] = layer.keys[..., src, :]
-            layer.values[..., past:past + len(nodes), :] = layer.values[..., src, :]
-    truncate_cache(cache, past + len(nodes))
 
 
 def load_records_db(path: str, pair_name: str) -> list[tuple[tuple[int, ...], list[int]]]:
@@ -116,10 +51,10 @@ def load_records_db(path: str, pair_name: str) -> list[tuple[tuple[int, ...], li
 def load_or_build_model_db(pair, settings, build_if_missing: bool) -> list[list[int]]:
     """The target's greedy answers (token ids) to ``settings.prompts`` packaged instructions, cached as JSON
     under ``cache/ngram/`` keyed by the target's identity and ``settings``; generated once when missing."""
-    from decoding.corpus import instruction_prompts
-    from decoding.distill import target_answers, target_identity
     from bench.models import recipe_key
     from bench.results import write_json_atomic
+    from decoding.corpus import instruction_prompts
+    from decoding.distill import target_answers, target_identity
 
     target = pair.target.module
     path = pair.cache / "ngram" / f"model-db-{recipe_key(target_identity(target), settings)}.json"
@@ -140,13 +75,13 @@ def load_or_build_model_db(pair, settings, build_if_missing: bool) -> list[list[
 
 
 @register("hierarchy")
-class Hierarchy(Method):
+class Hierarchy(DraftVerify):
     lossless = True
 
     @classmethod
     def check(cls, cfg) -> None:
-        check_ngram_settings(cfg)
-        check_ngram_settings(cfg, "stat_max_ngram", "stat_min_ngram")
+        check_ngram_sizes(cfg)
+        check_ngram_sizes(cfg, "stat_max_ngram", "stat_min_ngram")
         for key in ("draft_len", "num_candidates"):
             if int(cfg[key]) < 1:
                 raise BenchError(f"method.{key} must be at least 1, got {cfg[key]}.")
@@ -168,85 +103,62 @@ class Hierarchy(Method):
             self.stats = load_corpus_ngrams(self.pair.tokenizer, cfg.corpus, int(cfg.stat_min_ngram),
                                             int(cfg.stat_max_ngram), int(cfg.draft_len), int(cfg.num_candidates),
                                             self.pair.cache)
-        # The model-dependent database: outputs of earlier decodes, keyed by their prompt.
-        self.history: dict[tuple[int, ...], list[int]] = {}
-        self.file_docs = load_records_db(cfg.model_db_file, self.pair.name) if cfg.get("model_db_file") else []
-        if "model" in cfg.databases and int(cfg.model_db.prompts) > 0:
-            self.file_docs += [((), doc) for doc in load_or_build_model_db(self.pair, cfg.model_db, train_if_missing)]
+        # The model-dependent database: (prompt, output) of the target's earlier generations.
+        self.model_docs: list[tuple[tuple[int, ...], list[int]]] = []
+        if "model" in cfg.databases:
+            if cfg.get("model_db_file"):
+                self.model_docs += load_records_db(cfg.model_db_file, self.pair.name)
+            if int(cfg.model_db.prompts) > 0:
+                self.model_docs += [((), doc) for doc in load_or_build_model_db(self.pair, cfg.model_db, train_if_missing)]
 
     def model_index(self, prompt: tuple[int, ...]) -> NGramIndex | None:
-        """An index over the target's outputs for every prompt but ``prompt`` (rebuilt per decode: small)."""
-        docs = [out for p, out in self.file_docs if p != prompt]
-        docs += [out for p, out in self.history.items() if p != prompt]
-        if not docs:
-            return None
-        index = NGramIndex(int(self.cfg.min_ngram), int(self.cfg.max_ngram))
+        """An index over the target's outputs for every prompt but ``prompt``; the same for any prompt order.
+        Built once when no document is this prompt's (it is then the same for every prompt)."""
+        own = any(p == prompt for p, _ in self.model_docs)
+        if not own and getattr(self, "_shared_index", False) is not False:
+            return self._shared_index
+        docs = [out for p, out in self.model_docs if p != prompt]
+        index = NGramIndex(int(self.cfg.min_ngram), int(self.cfg.max_ngram)) if docs else None
         for doc in docs:
             index.add_document(doc)
+        if not own:
+            self._shared_index = index
         return index
 
-    def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> Decoded:
-        cfg, target, device = self.cfg, self.pair.target, prompt_ids.device
-        draft_len, n_cand = int(cfg.draft_len), int(cfg.num_candidates)
-        prompt = tuple(prompt_ids[0].tolist())
-        seq = list(prompt)
-        context = NGramIndex(int(cfg.min_ngram), int(cfg.max_ngram))
-        context.add_document(seq)
-        model_db = self.model_index(prompt) if "model" in cfg.databases else None
-        dbs = {"context": context if "context" in cfg.databases else None, "model": model_db, "statistics": self.stats}
-        order = [name for name in cfg.databases if dbs[name] is not None]
-        figures = {name: {"lookups": 0, "hits": 0, "proposed": 0, "accepted": 0} for name in cfg.databases}
+    def start(self, st: Decoding) -> None:
+        cfg = self.cfg
+        self.context = NGramIndex(int(cfg.min_ngram), int(cfg.max_ngram))
+        self.context.add_document(st.seq)
+        model = self.model_index(tuple(st.seq)) if "model" in cfg.databases else None
+        dbs = {"context": self.context if "context" in cfg.databases else None, "model": model, "statistics": self.stats}
+        self.dbs = {name: dbs[name] for name in cfg.databases if dbs[name] is not None}  # in query order
+        self.tally = {name: {"lookups": 0, "hits": 0, "proposed": 0, "accepted": 0} for name in cfg.databases}
 
-        cache, _, seq, out, done = self.prefill(prompt_ids, max_new_tokens, sampling, generator, on_tokens)
-        context.extend(out)
-        accept_lengths, drafted = [], []
-        while not done:
-            # Never draft past the token budget: the target's own token fills the last slot.
-            k = min(draft_len, max_new_tokens - len(out) - 1)
-            tree = TokenTree(seq[-1])
-            found = 0
-            for name in order if k > 0 else ():
-                if found >= n_cand:
-                    break
-                cands = dbs[name].continuations(seq, k, limit=n_cand - found)
-                figures[name]["lookups"] += 1
-                figures[name]["hits"] += bool(cands)
-                for cand in cands:
-                    new = tree.add(cand, name)
-                    figures[name]["proposed"] += new
-                    found += new > 0
-            # One target forward scores the root and every node; positions follow each node's depth.
-            past = cache.get_seq_length()
-            ids = torch.tensor([tree.tokens], device=device)
-            positions = torch.tensor([tree.depth], device=device) + past
-            mask = tree.attention_mask(past, self.pair.dtype, device)
-            logits = target(ids, cache, attention_mask=mask, position_ids=positions).logits[0]
-            # Walk the tree with the target's own choice: go on while it is a drafted child.
-            node, path = 0, []
-            while True:
-                choice = int(next_token(logits[node], sampling, generator))
-                child = tree.children[node].get(choice)
-                if child is None:
-                    break
-                path.append(child)
-                figures[tree.source[child]]["accepted"] += 1
-                node = child
-            committed = [tree.tokens[v] for v in path] + [choice]
-            keep_positions(cache, past, [0, *path])  # the root and the accepted path; the new token is pending
-            seq.extend(committed)
-            context.extend(committed)
-            out.extend(committed)
-            accept_lengths.append(len(committed))
-            drafted.append(max(tree.depth))  # the longest candidate: what one chain of the tree could gain
-            before = len(out)
-            out, done = self.finish(out, max_new_tokens)
-            on_tokens(len(committed) - (before - len(out)))
-        self.history[prompt] = list(out)
-        for fig in figures.values():
+    def propose(self, st: Decoding) -> Draft:
+        self.context.extend(st.seq[len(self.context):])  # what was committed since the last step
+        k, n_cand = min(int(self.cfg.draft_len), st.room), int(self.cfg.num_candidates)
+        tree, found = Tree(st.seq[-1]), 0
+        for name, db in self.dbs.items() if k > 0 else ():
+            if found >= n_cand:
+                break
+            cands = db.continuations(st.seq, k, limit=n_cand - found)
+            self.tally[name]["lookups"] += 1
+            self.tally[name]["hits"] += bool(cands)
+            for cand in cands:
+                new = tree.add(cand, name)
+                self.tally[name]["proposed"] += new
+                found += new > 0
+        return Draft(tree)
+
+    def accepted(self, st: Decoding, draft: Draft, path: list[int], hidden) -> None:
+        for v in path[1:]:
+            self.tally[draft.tree.source[v]]["accepted"] += 1
+
+    def figures(self, st: Decoding) -> dict:
+        for fig in self.tally.values():
             fig["hit_rate"] = ratio(fig["hits"], fig["lookups"])  # lookups that returned a candidate
             fig["accept_rate"] = ratio(fig["accepted"], fig["proposed"])  # tree nodes it added that were kept
-        extra = {
-            "databases": figures,
-            "tree_nodes": ratio(sum(f["proposed"] for f in figures.values()), len(accept_lengths)),  # per call
+        return {
+            "databases": self.tally,
+            "tree_nodes": ratio(sum(f["proposed"] for f in self.tally.values()), len(st.accept_lengths)),  # per call
         }
-        return Decoded(out, accept_lengths=accept_lengths, drafted=drafted, extra=extra)

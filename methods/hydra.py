@@ -1,7 +1,7 @@
 """Hydra (Ankner et al. 2024, "Hydra: Sequentially-Dependent Draft Heads for Medusa Decoding"): head k also
 reads the input embeddings of the tokens already chosen along the candidate path, so the tree is filled
 depth by depth, each head run once per parent node; verified in one target forward like Medusa
-(:mod:`methods._tree_heads`, :mod:`decoding.tree`).
+(:mod:`methods._tree_heads`).
 
 Hydra++ (``method=hydra_pp``): the same heads trained with the teacher-distillation loss (the target's
 top-k distribution instead of its greedy token) and reading the output of the prefix attention layer
@@ -37,12 +37,12 @@ def expansion_plan(tree: Tree) -> list[tuple[list[int], torch.Tensor, list[int],
 @register("hydra")
 class Hydra(TreeHeadsMethod):
     kind = "hydra"
-    lossless = True  # greedy; an instance with typical: true sets it False
+    lossless = True  # greedy, and sampling verified exactly; typical acceptance when sampling is not
 
-    def propose(self, hidden, pending, tree: Tree) -> torch.Tensor:
-        tokens = torch.full((len(tree),), pending, dtype=torch.long, device=hidden.device)
+    def fill(self, hidden, pending, shape: Tree) -> Tree:
+        tokens = torch.full((len(shape),), pending, dtype=torch.long, device=hidden.device)
         vocab_map = self.heads.module.vocab_map
-        for parents, paths, nodes, slots in expansion_plan(tree):
+        for parents, paths, nodes, slots in expansion_plan(shape):
             # Head d-1 reads h and the d tokens from the root to each parent: one batched call per depth.
             emb = self.embed(tokens[paths.to(hidden.device)]).to(hidden.dtype)  # (P, d, hidden)
             sub = self.heads(hidden.expand(len(parents), -1), emb)  # (P, V')
@@ -50,7 +50,7 @@ class Hydra(TreeHeadsMethod):
             top = vocab_map[sub.topk(width, dim=-1).indices]  # (P, width)
             rows = torch.tensor(slots, device=hidden.device)
             tokens[torch.tensor(nodes, device=hidden.device)] = top[rows[:, 0], rows[:, 1]]
-        return tokens
+        return shape.fill(tokens.tolist())
 
 
 @register("hydra_pp")

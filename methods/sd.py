@@ -1,21 +1,21 @@
 """Standard speculative decoding (Leviathan et al., 2023; Chen et al., 2023).
 
-Each step the draft proposes ``gamma`` tokens autoregressively; the target scores the pending token and
-all ``gamma`` proposals in ONE forward; :func:`decoding.verify.verify_chain` keeps the longest valid prefix
-and adds the target's own next token. Both KV caches are rolled back to the committed text, never
-recomputed. Lossless: greedy output equals ``ar``; sampled output is distributed as the target's.
+Each step the draft proposes ``gamma`` tokens autoregressively; the target scores the pending token and all
+of them in ONE forward; :func:`decoding.verify.verify_chain` keeps the longest valid prefix and adds the
+target's own next token. The draft's KV cache is rolled back with the target's (:class:`methods.base.Decoding`),
+never recomputed. Lossless: greedy output equals ``ar``; sampled output is distributed as the target's.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
+
 from bench import metrics
-from bench.counting import truncate_cache
 from bench.errors import BenchError
 from bench.registry import register
 from decoding.sampling import probs_from_logits, sample
-from decoding.verify import verify_chain
-from methods.base import Decoded, Method
+from methods.base import Decoding, Draft, DraftVerify
 
 
 def draft_chain(draft, cache, pending: list[int], gamma: int, sampling, generator, device, confidence: float = 0.0):
@@ -47,50 +47,38 @@ def draft_chain(draft, cache, pending: list[int], gamma: int, sampling, generato
 
 
 @register("sd")
-class SD(Method):
+class SD(DraftVerify):
     lossless = True
     drafts = 1
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        if not 0 <= float(cfg.get("confidence", 0.0)) <= 1:
+            raise BenchError(f"method.confidence must be in [0, 1] (0: always draft gamma tokens), got {cfg.confidence}.")
 
     @classmethod
     def analytic_speedup(cls, alpha: float, gamma: float, c: float) -> float:
         """Leviathan et al. (2023), Theorem 3.8, with the measured alpha, mean gamma and cost ratio c."""
         return metrics.analytic_speedup(alpha, gamma, c)
 
-    @classmethod
-    def check(cls, cfg) -> None:
-        """Bad settings, before any model loads: one sentence each."""
-        if not 0 <= float(cfg.get("confidence", 0.0)) <= 1:
-            raise BenchError(f"method.confidence must be in [0, 1] (0: always draft gamma tokens), got {cfg.confidence}.")
+    def start(self, st: Decoding) -> None:
+        # The draft reads the prompt too: part of its cost, counted as such.
+        self.dcache = DynamicCache()
+        self.pair.draft(st.prompt_ids, self.dcache, logits_to_keep=1)
+        st.track(self.dcache)
+        self.gamma = int(self.cfg.gamma)
 
-    def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> Decoded:
-        target, draft, device = self.pair.target, self.pair.draft, prompt_ids.device
-        gamma, confidence = int(self.cfg.gamma), float(self.cfg.get("confidence", 0.0))
-        tcache, dcache, seq, out, done = self.prefill(prompt_ids, max_new_tokens, sampling, generator, on_tokens, draft)
-        accept_lengths, drafted = [], []
-        while not done:
-            # Never draft past the token budget: the target's own token fills the last slot.
-            k = min(gamma, max_new_tokens - len(out) - 1)
-            dlen = dcache.get_seq_length()
-            if k > 0:
-                tokens, q = draft_chain(draft, dcache, seq[dlen:], k, sampling, generator, device, confidence)
-            else:
-                tokens, q = torch.empty(0, dtype=torch.long, device=device), None
-            # One target forward scores the pending token and all k proposals: k + 1 rows of logits.
-            block = torch.cat([torch.tensor(seq[-1:], device=device), tokens]).unsqueeze(0)
-            logits = target(block, tcache).logits[0]
-            n, nxt = verify_chain(tokens, q, logits, sampling, generator)
-            committed = tokens[:n].tolist() + [nxt]
-            seq.extend(committed)
-            out.extend(committed)
-            # Roll both caches back to the committed text minus the pending (last) token.
-            truncate_cache(tcache, len(seq) - 1)
-            truncate_cache(dcache, min(dcache.get_seq_length(), len(seq) - 1))
-            accept_lengths.append(n + 1)
-            drafted.append(len(tokens))
-            if self.cfg.get("adaptive", False):
-                # Hugging Face's heuristic schedule: lengthen after a full accept, shorten otherwise.
-                gamma = min(gamma + 2, int(self.cfg.gamma_max)) if n == len(tokens) else max(gamma - 1, int(self.cfg.gamma_min))
-            before = len(out)
-            out, done = self.finish(out, max_new_tokens)
-            on_tokens(len(committed) - (before - len(out)))
-        return Decoded(out, accept_lengths=accept_lengths, drafted=drafted)
+    def propose(self, st: Decoding) -> Draft:
+        k = min(self.gamma, st.room)
+        if k <= 0:
+            return Draft.chain(st.seq[-1], [])
+        pending = st.seq[self.dcache.get_seq_length():]
+        tokens, q = draft_chain(self.pair.draft, self.dcache, pending, k, st.sampling, st.generator, st.device,
+                                float(self.cfg.get("confidence", 0.0)))
+        return Draft.chain(st.seq[-1], tokens, q)
+
+    def accepted(self, st: Decoding, draft: Draft, path: list[int], hidden) -> None:
+        if self.cfg.get("adaptive", False):
+            # Hugging Face's heuristic schedule: lengthen after a full accept, shorten otherwise.
+            full = len(path) - 1 == draft.depth
+            self.gamma = min(self.gamma + 2, int(self.cfg.gamma_max)) if full else max(self.gamma - 1, int(self.cfg.gamma_min))

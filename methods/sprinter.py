@@ -25,11 +25,13 @@ from collections import Counter
 
 import torch
 from omegaconf import DictConfig
+from transformers import DynamicCache
 
-from bench.counting import CountedModule, truncate_cache
+from bench.counting import CountedModule
 from bench.errors import BenchError
 from bench.registry import register
 from decoding.sampling import next_token, probs_from_logits, sample
+from decoding.tree import Tree
 from decoding.verify import verify_chain
 from methods._sprinter_verifier import (
     LABELS,
@@ -38,11 +40,11 @@ from methods._sprinter_verifier import (
     load_or_train_verifier,
     verifier_dir,
 )
-from methods.base import Decoded, Method
+from methods.base import Decoding, Draft, DraftVerify
 
 
 @register("sprinter")
-class Sprinter(Method):
+class Sprinter(DraftVerify):
     lossless = False  # unchecked tokens stand: see the module docstring and bench/quality.py
     drafts = 1
 
@@ -73,29 +75,29 @@ class Sprinter(Method):
                              f"{expected}; delete {verifier_dir(self.pair, self.cfg.verifier)} to retrain it.")
         self.verifier = self.pair.add(CountedModule(model.to(self.pair.device), "verifier"))
 
-    def draft_run(self, dcache, seq: list[int], limit: int, sampling, generator, device):
-        """Draft up to ``limit`` tokens after ``seq``, stopping at the first token the verifier flags.
+    def draft_run(self, st: Decoding, limit: int):
+        """Draft up to ``limit`` tokens after ``st.seq``, stopping at the first token the verifier flags.
 
         Returns ``(tokens, q_last, why)``: the drafted token ids, the distribution the last one was drawn
         from (``FloatTensor (vocab,)``, ``None`` when greedy) and why the run ended (``flagged``,
         ``max_run``, ``eos`` or ``budget``). The last token is the one the target will check.
         """
-        threshold, use_probs, eos = float(self.cfg.threshold), bool(self.cfg.verifier.probs), self.eos_ids
-        x = torch.tensor([seq[dcache.get_seq_length():]], device=device)
+        threshold, use_probs, sampling = float(self.cfg.threshold), bool(self.cfg.verifier.probs), st.sampling
+        x = torch.tensor([st.seq[self.dcache.get_seq_length():]], device=st.device)
         tokens, q = [], None
         for i in range(limit):
-            logits, hidden = draft_forward(self.pair.draft, x, dcache, logits_to_keep=1)
+            logits, hidden = draft_forward(self.pair.draft, x, self.dcache, logits_to_keep=1)
             logits, hidden = logits[0, -1], hidden[0, -1]
             if sampling.greedy:
                 tok = logits.argmax(-1)
             else:
                 q = probs_from_logits(logits, sampling)
-                tok = sample(q, generator)
+                tok = sample(q, st.generator)
             tokens.append(int(tok))
             if i == limit - 1:
                 # The target checks this token anyway: no need to ask the verifier.
                 return tokens, q, "max_run" if limit == int(self.cfg.max_run) else "budget"
-            if tokens[-1] in eos:
+            if tokens[-1] in self.eos_ids:
                 return tokens, q, "eos"  # an end of answer is always checked, never waved through
             score = torch.sigmoid(self.verifier(features(hidden, logits, use_probs).unsqueeze(0)))[0]
             if float(score) < threshold:
@@ -103,50 +105,42 @@ class Sprinter(Method):
             x = tok.view(1, 1)
         return tokens, q, "budget"  # limit == 0: nothing drafted
 
-    def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> Decoded:
-        target, draft, device = self.pair.target, self.pair.draft, prompt_ids.device
-        max_run = int(self.cfg.max_run)
-        tcache, dcache, seq, out, done = self.prefill(prompt_ids, max_new_tokens, sampling, generator, on_tokens, draft)
-        accept_lengths, drafted = [], []
-        stats = Counter()
-        while not done:
-            # Never draft past the budget: the target's own token fills the last slot.
-            tokens, q_last, why = self.draft_run(dcache, seq, min(max_run, max_new_tokens - len(out) - 1),
-                                                 sampling, generator, device)
-            k = len(tokens)
-            stats[f"runs_{why}"] += 1
-            # ONE target forward over the pending token and the run; only the last two rows are needed:
-            # the row scoring the last drafted token and the bonus row after it.
-            block = torch.tensor([seq[-1:] + tokens], device=device)
-            logits = target(block, tcache, logits_to_keep=min(2, k + 1)).logits[0]
-            if k == 0:
-                n, nxt = 0, int(next_token(logits[-1], sampling, generator))
-            else:
-                q = q_last.unsqueeze(0) if q_last is not None else None
-                # The SD rule on the last token only; the k - 1 before it are committed unchecked.
-                n, nxt = verify_chain(torch.tensor(tokens[-1:], device=device), q, logits, sampling, generator)
-                stats["checked_rejected"] += 1 - n
-                stats["unchecked_tokens"] += k - 1
-            committed = tokens[: k - 1 + n] + [nxt] if k else [nxt]
-            seq.extend(committed)
-            out.extend(committed)
-            truncate_cache(tcache, len(seq) - 1)
-            truncate_cache(dcache, min(dcache.get_seq_length(), len(seq) - 1))
-            accept_lengths.append(len(committed))
-            drafted.append(k)
-            before = len(out)
-            out, done = self.finish(out, max_new_tokens)
-            on_tokens(len(committed) - (before - len(out)))
-        extra = {
+    def start(self, st: Decoding) -> None:
+        self.dcache = DynamicCache()
+        self.pair.draft(st.prompt_ids, self.dcache, logits_to_keep=1)  # the draft reads the prompt: its cost
+        st.track(self.dcache)
+        self.stats = Counter()
+
+    def propose(self, st: Decoding) -> Draft:
+        # Never draft past the budget: the target's own token fills the last slot.
+        tokens, self.q_last, why = self.draft_run(st, min(int(self.cfg.max_run), st.room))
+        self.stats[f"runs_{why}"] += 1
+        # ONE target forward over the pending token and the run; only the last two rows are needed:
+        # the row scoring the last drafted token and the bonus row after it.
+        return Draft(Tree.chain(st.seq[-1], tokens), rows=min(2, len(tokens) + 1))
+
+    def verify(self, st: Decoding, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
+        k = draft.depth
+        if k == 0:
+            return [0], int(next_token(logits[-1], st.sampling, st.generator))
+        q = self.q_last.unsqueeze(0) if self.q_last is not None else None
+        # The SD rule on the last token only; the k - 1 before it are committed unchecked.
+        last = torch.tensor(draft.tree.tokens[-1:], device=logits.device)
+        n, nxt = verify_chain(last, q, logits, st.sampling, st.generator)
+        self.stats["checked_rejected"] += 1 - n
+        self.stats["unchecked_tokens"] += k - 1
+        return list(range(k + n)), nxt
+
+    def figures(self, st: Decoding) -> dict:
+        return {
             # Drafted tokens committed without any target check (counted before the EOS / budget cut).
-            "unchecked_tokens": stats["unchecked_tokens"],
+            "unchecked_tokens": self.stats["unchecked_tokens"],
             # Runs that ended because the verifier flagged a token / reached max_run / drafted EOS / hit
             # the token budget; each ends in one target call.
-            "runs_flagged": stats["runs_flagged"],
-            "runs_max_run": stats["runs_max_run"],
-            "runs_eos": stats["runs_eos"],
-            "runs_budget": stats["runs_budget"],
+            "runs_flagged": self.stats["runs_flagged"],
+            "runs_max_run": self.stats["runs_max_run"],
+            "runs_eos": self.stats["runs_eos"],
+            "runs_budget": self.stats["runs_budget"],
             # Checked (last) tokens the target rejected and replaced.
-            "checked_rejected": stats["checked_rejected"],
+            "checked_rejected": self.stats["checked_rejected"],
         }
-        return Decoded(out, accept_lengths=accept_lengths, drafted=drafted, extra=extra)

@@ -1,10 +1,17 @@
-"""Shared test helpers: decode a prompt with a named method on a pair."""
+"""Shared test helpers: a method's shipped settings, and decoding a prompt with a named method on a pair."""
 
 import torch
 from omegaconf import OmegaConf
 
 from bench.registry import get_method
-from decoding.sampling import Sampling
+from decoding.sampling import Sampling, probs_from_logits
+
+
+def method_cfg(name, **overrides):
+    """``configs/method/<name>.yaml`` as Hydra composes it (defaults lists included), ``overrides`` on top."""
+    from bench.cli import compose
+
+    return OmegaConf.merge(compose([f"method={name}"]).method, OmegaConf.create(overrides))
 
 
 def decode(pair, name, prompt_ids, max_new=24, temperature=0.0, top_p=1.0, seed=0, **method_cfg):
@@ -24,3 +31,97 @@ def prompts_for(pair, n=3):
     ps = builtin_prompts(OmegaConf.create({}))
     step = max(len(ps) // n, 1)
     return [encode(p, pair.tokenizer) for p in ps[::step][:n]]
+
+
+def with_drafts(pair, *modules):
+    """``pair`` with other draft models (counted as draft, draft2, ...) and a role table of its own."""
+    import dataclasses
+
+    from bench.counting import CountedLM
+
+    drafts = [CountedLM(m, "draft" if i == 0 else f"draft{i + 1}") for i, m in enumerate(modules)]
+    return dataclasses.replace(pair, drafts=drafts, roles={})
+
+
+def noisy_copy(module, scale=0.02, seed=0):
+    """The target with noise on its output head: a draft that is often, not always, right."""
+    import copy
+
+    draft = copy.deepcopy(module)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head = draft.get_output_embeddings().weight
+        head.add_(torch.randn(head.shape, generator=gen) * scale)
+    return draft
+
+
+def repeating_prompt(pair):
+    text = "The quick brown fox jumps over the lazy dog. " * 4 + "The quick brown"
+    return pair.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# ------------------------------------------------------------------------------- lossless: the two checks
+
+
+def assert_greedy_equal_to_ar(method, prompts, max_new=32):
+    """Greedy output equals ``ar``'s token for token, and the per-call figures add up."""
+    for ids in prompts:
+        ref = decode(method.pair, "ar", ids, max_new=max_new).output_ids
+        out = run(method, ids, max_new)
+        assert out.output_ids == ref, f"{method.name} differs from ar greedily"
+        assert len(out.drafted) == len(out.accept_lengths)
+        if method.pair.tokenizer.eos_token_id not in out.output_ids:
+            assert sum(out.accept_lengths) + 1 == len(out.output_ids)  # the prefill gives the first token
+        assert all(0 < a <= d + 1 for a, d in zip(out.accept_lengths, out.drafted))
+
+
+def run(method, ids, max_new, temperature=0.0, seed=0):
+    """One decode with an already set-up method."""
+    gen = torch.Generator(device=method.pair.device).manual_seed(seed)
+    with torch.inference_mode():
+        return method.decode(torch.tensor([ids], device=method.pair.device), max_new, Sampling(temperature, 1.0),
+                             gen, lambda n: None)
+
+
+def second_token_counts(method, ids, temperature, n):
+    """How often each token came second over ``n`` seeds (the last cell: decodes that ended first), and how
+    many decodes drafted for the second token, and had it accepted."""
+    vocab = method.pair.target.module.config.vocab_size
+    counts = torch.zeros(vocab + 1)
+    drafted = accepted = 0
+    for seed in range(n):
+        # Three tokens: after the first, the budget leaves room for one drafted token (one tree level).
+        out = run(method, ids, 3, temperature, seed)
+        counts[out.output_ids[1] if len(out.output_ids) > 1 else vocab] += 1
+        drafted += bool(out.drafted) and out.drafted[0] > 0
+        accepted += bool(out.accept_lengths) and out.accept_lengths[0] > 1
+    return counts, drafted, accepted
+
+
+def second_token_probs(pair, ids, temperature):
+    """Exact P(second new token) under the target: the sum over first tokens t of p(t) p(. | t); the last
+    cell is P(the first token is EOS)."""
+    sampling = Sampling(temperature, 1.0)
+    eos = pair.tokenizer.eos_token_id
+    with torch.no_grad():
+        p1 = probs_from_logits(pair.target.module(torch.tensor([ids])).logits[0, -1], sampling)
+        firsts = ((p1 > 1e-9) & (torch.arange(len(p1)) != eos)).nonzero().flatten()
+        batch = torch.cat([torch.tensor([ids]).expand(len(firsts), -1), firsts[:, None]], dim=1)
+        p2 = probs_from_logits(pair.target.module(batch).logits[:, -1], sampling)
+    return torch.cat([(p1[firsts, None] * p2).sum(0), p1[eos].view(1)])
+
+
+def assert_sampling_is_the_targets(method, ids, temperature=0.05, n=300, min_share=0.05):
+    """The second new token (one a drafter can propose) follows the target's exact marginal (chi-square), and
+    the test had power: drafts were both accepted and rejected in at least ``min_share`` of the decodes."""
+    from scipy.stats import chisquare
+
+    counts, drafted, accepted = second_token_counts(method, ids, temperature, n)
+    assert accepted >= min_share * n and drafted - accepted >= min_share * n, (method.name, drafted, accepted)
+    expected = second_token_probs(method.pair, ids, temperature) * n
+    assert counts[expected < 1e-6].sum() == 0  # nothing the target (practically) never emits
+    big = expected >= 5  # chi-square needs enough expected counts per cell: the rest is pooled
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    assert big.sum() >= 3
+    assert chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3

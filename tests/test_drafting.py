@@ -2,62 +2,25 @@
 (`hierarchy`). Each is lossless: greedy output equals `ar` token for token on tiny pairs, under several
 settings; sampled output is distributed as the target's."""
 
-import copy
 from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from bench.counting import CountedLM
 from bench.errors import BenchError
-from bench.models import Pair
 from decoding.ngram import BigramTable, CorpusNGrams, NGramIndex, load_corpus_ngrams
 from bench.registry import get_method
-from decoding.sampling import Sampling, probs_from_logits
+from decoding.sampling import Sampling
 from bench.validate import validate
-from tests.helpers import decode, prompts_for
+from tests.helpers import decode, method_cfg, prompts_for, repeating_prompt, with_drafts
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "method"
-
-
-def method_cfg(name, **overrides):
-    """The method's YAML defaults with ``overrides`` on top."""
-    return OmegaConf.merge(OmegaConf.load(CONFIGS / f"{name}.yaml"), OmegaConf.create(overrides))
 
 
 def build(pair, name, **overrides):
     method = get_method(name)(method_cfg(name, **overrides), pair)
     method.setup()
     return method
-
-
-def run(method, ids, max_new, temperature=0.0, seed=0):
-    gen = torch.Generator(device=method.pair.device).manual_seed(seed)
-    with torch.inference_mode():
-        return method.decode(torch.tensor([ids], device=method.pair.device), max_new, Sampling(temperature, 1.0),
-                             gen, lambda n: None)
-
-
-def with_drafts(pair, *modules):
-    """The tiny pair with other draft models (counted as draft, draft2, ...)."""
-    drafts = [CountedLM(m, "draft" if i == 0 else f"draft{i + 1}") for i, m in enumerate(modules)]
-    return Pair(pair.name, pair.tokenizer, pair.target, drafts, pair.device, pair.dtype, pair.cache, pair.spec)
-
-
-def noisy_copy(module, scale=0.02, seed=0):
-    """The target with noise on its output head: a draft that is often, not always, right."""
-    draft = copy.deepcopy(module)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        head = draft.get_output_embeddings().weight
-        head.add_(torch.randn(head.shape, generator=gen) * scale)
-    return draft
-
-
-def repeating_prompt(pair):
-    text = "The quick brown fox jumps over the lazy dog. " * 4 + "The quick brown"
-    return pair.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 @pytest.fixture(scope="module")
@@ -132,56 +95,6 @@ def test_pld_takes_several_tokens_per_call_when_the_text_repeats(tiny_pair, ar_o
     assert len(out.accept_lengths) < 26
 
 
-def _second_token_counts(method, ids, temperature, n):
-    """How often each token came second, over ``n`` seeds; the last cell counts decodes that ended first."""
-    vocab = method.pair.target.module.config.vocab_size
-    counts = torch.zeros(vocab + 1)
-    drafted = accepted = 0
-    for seed in range(n):
-        # Three tokens: after the first, the budget leaves room for one drafted token.
-        out = run(method, ids, 3, temperature, seed)
-        counts[out.output_ids[1] if len(out.output_ids) > 1 else vocab] += 1
-        drafted += bool(out.drafted) and out.drafted[0] > 0
-        accepted += bool(out.accept_lengths) and out.accept_lengths[0] > 1
-    return counts, drafted, accepted
-
-
-def _second_token_probs(pair, ids, temperature):
-    """Exact P(second new token) under the target: sum over the first token t of p(t) p(. | t); the last
-    cell is P(the first token is EOS)."""
-    sampling = Sampling(temperature, 1.0)
-    eos = pair.tokenizer.eos_token_id
-    with torch.no_grad():
-        p1 = probs_from_logits(pair.target.module(torch.tensor([ids])).logits[0, -1], sampling)
-        firsts = ((p1 > 1e-9) & (torch.arange(len(p1)) != eos)).nonzero().flatten()
-        batch = torch.cat([torch.tensor([ids]).expand(len(firsts), -1), firsts[:, None]], dim=1)
-        p2 = probs_from_logits(pair.target.module(batch).logits[:, -1], sampling)
-    return torch.cat([(p1[firsts, None] * p2).sum(0), p1[eos].view(1)])
-
-
-@pytest.mark.parametrize("name", ["pld", "hierarchy", "cascade"])
-def test_sampling_is_distributed_as_the_target(tiny_pair, name):
-    """The second new token (one a draft can propose) follows the target's exact marginal."""
-    from scipy.stats import chisquare
-
-    temperature, n = 0.05, 300  # a low temperature makes the random target peaked: the test has power
-    pair = with_drafts(tiny_pair, noisy_copy(tiny_pair.target.module)) if name == "cascade" else tiny_pair
-    # The prompt ends inside the target's own greedy loop, so drafts from the text are often right.
-    ids = repeating_prompt(tiny_pair)
-    ids = ids + decode(tiny_pair, "ar", ids, max_new=30).output_ids
-    method = build(pair, name, **({"k_matrix": [[1, 1], [1]]} if name == "cascade" else {}))
-    counts, drafted, accepted = _second_token_counts(method, ids, temperature, n)
-    # Both paths of the exact test ran many times: drafts accepted, and drafts rejected.
-    assert accepted > n / 20 and drafted - accepted > n / 20
-    expected = _second_token_probs(tiny_pair, ids, temperature) * n
-    assert counts[expected < 1e-6].sum() == 0  # nothing the target (practically) never emits
-    big = expected >= 5  # chi-square needs enough expected counts per cell: the rest is pooled
-    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
-    assert big.sum() >= 3
-    assert chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3
-
-
 # ------------------------------------------------------------------------------------------ cascade
 
 
@@ -228,14 +141,14 @@ def test_cascade_sampling_keeps_every_token_of_an_exact_draft(tiny_pair):
 def test_hierarchy_equals_ar_greedy(tiny_pair, ar_outputs, settings):
     method = build(tiny_pair, "hierarchy", **settings)
     assert_equal_to_ar(method, ar_outputs)
-    assert_equal_to_ar(method, ar_outputs[::-1])  # again, now with the other prompts' outputs in the model database
+    assert_equal_to_ar(method, ar_outputs[::-1])  # again, in the other order
 
 
 def test_hierarchy_tree_keeps_the_cache_of_an_accepted_side_branch(tiny_pair):
     """The target accepts a path through the second candidate; the cache then equals a fresh prefill's."""
     from transformers import DynamicCache
 
-    from methods.hierarchy import TokenTree, keep_positions
+    from decoding.tree import Tree, keep_path, score_tree
 
     ids = prompts_for(tiny_pair, 1)[0]
     g = decode(tiny_pair, "ar", ids, max_new=5).output_ids
@@ -243,14 +156,12 @@ def test_hierarchy_tree_keeps_the_cache_of_an_accepted_side_branch(tiny_pair):
     cache = DynamicCache()
     with torch.no_grad():
         target(torch.tensor([ids]), cache)
-        tree = TokenTree(g[0])
+        tree = Tree(g[0])
         tree.add([(g[1] + 1) % 250, g[2], g[3]], "context")  # wrong at once
         tree.add([g[1], g[2], (g[3] + 1) % 250], "model")  # right for two tokens
-        past = len(ids)
-        logits = target(torch.tensor([tree.tokens]), cache, attention_mask=tree.attention_mask(past, torch.float32, "cpu"),
-                        position_ids=torch.tensor([tree.depth]) + past).logits[0]
+        logits, _ = score_tree(target, cache, tree)
         assert [int(logits[v].argmax()) for v in (0, 4, 5)] == g[1:4]
-        keep_positions(cache, past, [0, 4, 5])
+        keep_path(cache, len(ids), [0, 4, 5])
         step = target(torch.tensor([[g[3]]]), cache).logits[0, -1]
         fresh = target(torch.tensor([ids + g[:4]]), DynamicCache()).logits[0, -1]
     assert cache.get_seq_length() == len(ids) + 4
@@ -261,18 +172,25 @@ def test_hierarchy_tree_keeps_the_cache_of_an_accepted_side_branch(tiny_pair):
 def test_hierarchy_model_database_uses_other_prompts_only(tiny_pair, ar_outputs, tmp_path):
     import json
 
-    method = build(tiny_pair, "hierarchy", databases=["model"], model_db={"prompts": 0})
     (a, ref_a), (b, ref_b) = ar_outputs[0], ar_outputs[3]
-    assert run(method, a, 40).extra["databases"]["model"]["lookups"] == 0  # nothing earlier
-    assert run(method, a, 40).extra["databases"]["model"]["lookups"] == 0  # its own output is never used
-    out = run(method, b, 40)
-    assert out.output_ids == ref_b and out.extra["databases"]["model"]["lookups"] > 0
-    # Earlier outputs from a records.jsonl of a run on the same pair.
+    # Outputs from a records.jsonl of a run on the same pair: a prompt never sees its own.
     path = tmp_path / "records.jsonl"
     path.write_text(json.dumps({"pair": "tiny", "prompt_ids": a, "output_ids": ref_a}) + "\n")
     from_file = build(tiny_pair, "hierarchy", databases=["model"], model_db_file=str(path), model_db={"prompts": 0})
+    assert run(from_file, a, 40).extra["databases"]["model"]["lookups"] == 0  # its own output is never used
     out = run(from_file, b, 40)
     assert out.output_ids == ref_b and out.extra["databases"]["model"]["lookups"] > 0
+
+
+def test_hierarchy_results_do_not_depend_on_prompt_order(tiny_pair, ar_outputs):
+    """The model database does not grow from earlier prompts of the run: any order (or a resume) gives the
+    same outputs and the same per-prompt figures."""
+    def results(order):
+        method = build(tiny_pair, "hierarchy", model_db={"prompts": 0})
+        outs = {i: run(method, ar_outputs[i][0], 40) for i in order}
+        return {i: (o.output_ids, o.accept_lengths, o.extra["databases"]) for i, o in outs.items()}
+
+    assert results([0, 1, 2, 3]) == results([3, 2, 1, 0])
 
 
 def test_hierarchy_model_database_of_target_answers_is_built_once_and_cached(tiny_pair, ar_outputs, tmp_path):

@@ -56,18 +56,6 @@ def test_sd_with_perfect_draft_takes_every_token(tiny_pair):
     assert sd.accept_lengths == [5] * 6  # 1 (prefill) + 6 * 5 = 31
 
 
-def test_outputs_stop_at_eos(tiny_pair):
-    """A forced EOS ends both methods at the same place, EOS kept."""
-    from methods.base import Method
-
-    m = Method.__new__(Method)
-    m.pair = tiny_pair
-    eos = tiny_pair.tokenizer.eos_token_id
-    assert m.finish([5, 6, eos, 7], 10) == ([5, 6, eos], True)
-    assert m.finish([5, 6, 7], 3) == ([5, 6, 7], True)
-    assert m.finish([5, 6], 3) == ([5, 6], False)
-
-
 def test_sd_sampling_runs_and_is_reproducible(tiny_pair):
     ids = prompts_for(tiny_pair, 1)[0]
     a = decode(tiny_pair, "sd", ids, max_new=20, temperature=0.8, top_p=0.9, seed=7, gamma=3)

@@ -7,24 +7,19 @@ import torch
 from omegaconf import OmegaConf
 from transformers import DynamicCache
 
-from bench.cli import CONFIG_DIR
 from bench.errors import BenchError
 from bench.registry import get_method
 from decoding.sampling import Sampling
-from decoding.tree import Tree, greedy_path, keep_path, score_tree
 from tests.helpers import decode, prompts_for
+from tests.helpers import method_cfg as shipped_cfg
 
 TINY_RECIPE = {"vocab": 200, "max_tokens": 2048, "eval_tokens": 512, "seq_len": 64, "batch_size": 8, "epochs": 1}
 HEAD_METHODS = ["medusa", "hydra", "hydra_pp"]
 
 
 def method_cfg(name, **over):
-    """The shipped YAML of ``name`` with a tiny training recipe (and ``over`` on top)."""
-    cfg = OmegaConf.load(CONFIG_DIR / "method" / f"{name}.yaml")
-    if "defaults" in cfg:  # hydra_pp extends hydra
-        base = OmegaConf.load(CONFIG_DIR / "method" / "hydra.yaml")
-        cfg = OmegaConf.merge(base, {k: v for k, v in cfg.items() if k != "defaults"})
-    cfg = OmegaConf.merge(cfg, {"recipe": TINY_RECIPE}, over)
+    """The shipped settings of ``name`` with a tiny training recipe (and ``over`` on top), as keywords."""
+    cfg = OmegaConf.merge(shipped_cfg(name), {"recipe": TINY_RECIPE}, over)
     return {k: v for k, v in OmegaConf.to_container(cfg).items() if k != "name"}
 
 
@@ -42,7 +37,7 @@ def test_heads_equal_ar_greedy(pair, name):
         out = decode(pair, name, ids, max_new=40, **cfg)
         assert out.output_ids == ar.output_ids
         assert sum(out.accept_lengths) + 1 == len(out.output_ids)
-        assert out.extra["tree_size"] == 20 and len(out.extra["accept_at_depth"]) == 4
+        assert out.extra["tree_size"] == 20 and max(out.drafted) == 4  # depth: per-position acceptance follows
     # Hydra++ runs its prefix layer (a role of its own); the others have none.
     assert (pair.counts().get("prefix", {}).get("calls", 0) > 0) == (name == "hydra_pp")
 
@@ -145,61 +140,12 @@ def test_prefix_layer_while_decoding_equals_it_over_the_committed_sequence(pair)
     torch.testing.assert_close(torch.stack(seen), whole[ends], atol=1e-4, rtol=1e-4)
 
 
-def test_tree_logits_equal_each_path_scored_alone(tiny_pair):
-    """Every tree node's logits equal those of its root path scored as a plain sequence after the prefix."""
-    target = tiny_pair.target
-    torch.manual_seed(0)
-    prefix = torch.randint(0, 259, (1, 11))
-    tree = Tree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [1, 0, 2]])
-    tokens = torch.randint(0, 259, (len(tree),))
-    with torch.no_grad():
-        cache = DynamicCache()
-        target(prefix, cache)
-        logits, hidden = score_tree(target, cache, tokens, tree)
-        for node in range(len(tree)):
-            seq = torch.cat([prefix[0], tokens[tree.path_to(node)]]).unsqueeze(0)
-            plain = target.module(seq, output_hidden_states=True)
-            torch.testing.assert_close(logits[node], plain.logits[0, -1], atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(hidden[node], plain.hidden_states[-1][0, -1], atol=1e-4, rtol=1e-4)
-
-
-def test_cache_after_acceptance_equals_cache_of_accepted_sequence(tiny_pair):
-    target = tiny_pair.target
-    torch.manual_seed(1)
-    prefix = torch.randint(0, 259, (1, 9))
-    tree = Tree.from_paths([[0], [1], [2], [0, 0], [1, 0], [1, 1], [1, 1, 0]])
-    tokens = torch.randint(0, 259, (len(tree),))
-    path = tree.path_to(len(tree) - 1)  # root -> [1] -> [1, 1] -> [1, 1, 0]: not a prefix of the node order
-    with torch.no_grad():
-        cache = DynamicCache()
-        target(prefix, cache)
-        score_tree(target, cache, tokens, tree)
-        keep_path(cache, prefix.shape[1], path)
-        plain = DynamicCache()
-        target(torch.cat([prefix[0], tokens[path]]).unsqueeze(0), plain)
-    assert cache.get_seq_length() == plain.get_seq_length() == prefix.shape[1] + len(path)
-    for a, b in zip(cache.layers, plain.layers, strict=True):
-        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
-
-
-def test_greedy_path_follows_the_targets_choices():
-    tree = Tree.from_paths([[0], [1], [0, 0], [1, 0], [1, 1]])  # nodes: (), (0), (1), (0,0), (1,0), (1,1)
-    tokens = torch.tensor([7, 3, 4, 5, 6, 8])
-    logits = torch.zeros(6, 10)
-    logits[0, 4] = logits[2, 8] = logits[5, 9] = 1  # target: 7 -> 4 (node 2) -> 8 (node 5) -> 9
-    assert greedy_path(tree, tokens, logits) == ([0, 2, 5], 9)
-    logits[0] = 0
-    logits[0, 1] = 1  # no child carries 1: nothing accepted, the target's 1 follows
-    assert greedy_path(tree, tokens, logits) == ([0], 1)
-
-
-def test_sampling_falls_back_to_a_lossless_chain_and_typical_is_lossy(pair):
+def test_sampling_verifies_the_tree_and_typical_is_lossy(pair):
     ids = prompts_for(pair, 1)[0]
     a = decode(pair, "medusa", ids, max_new=20, temperature=0.8, seed=3, **method_cfg("medusa"))
     b = decode(pair, "medusa", ids, max_new=20, temperature=0.8, seed=3, **method_cfg("medusa"))
     assert a.output_ids == b.output_ids and len(a.output_ids) == 20
-    assert a.extra["verify"] == "chain" and "typical" not in a.extra
+    assert a.extra["verify"] == "tree" and "typical" not in a.extra
     t = decode(pair, "hydra", ids, max_new=20, temperature=0.8, seed=3, **method_cfg("hydra", typical=True))
     assert t.extra["verify"] == "typical" and t.extra["typical"] is True and len(t.output_ids) == 20
     cfg = OmegaConf.create({"name": "hydra", **method_cfg("hydra", typical=True)})

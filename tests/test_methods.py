@@ -1,0 +1,83 @@
+"""Every registered method, walked from the registry: a method added later is covered without a new test.
+
+- it runs through the harness on the tiny pair with its shipped settings (records written, counts sane);
+- if it is lossless, its greedy output equals ``ar``'s token for token, and its sampled output follows the
+  target's distribution (a chi-square test on a token a draft can propose, with a power check);
+- if it is lossy, its records say so and carry quality figures.
+
+The sampling test runs on the tiny target with a draft that is a noisy copy of it (so drafts are often,
+not always, accepted) and a prompt that ends inside the target's own greedy loop (so the text-based and
+trained drafters find something to propose).
+"""
+
+import json
+
+import pytest
+
+from bench.registry import get_method, known_methods
+from decoding.sampling import Sampling
+from tests.helpers import (assert_greedy_equal_to_ar, assert_sampling_is_the_targets, decode, method_cfg, noisy_copy,
+                           prompts_for, repeating_prompt, with_drafts)
+
+METHODS = known_methods()
+
+
+def build(pair, name, **overrides):
+    method = get_method(name)(method_cfg(name, **overrides), pair)
+    method.setup()
+    return method
+
+
+@pytest.fixture(scope="module")
+def good_pair(tiny_pair):
+    """The tiny pair whose first draft is a noisy copy of the target (and whose second is the random draft)."""
+    return with_drafts(tiny_pair, noisy_copy(tiny_pair.target.module), tiny_pair.drafts[0].module)
+
+
+@pytest.fixture(scope="module")
+def looping_prompt(tiny_pair):
+    ids = repeating_prompt(tiny_pair)
+    return ids + decode(tiny_pair, "ar", ids, max_new=30).output_ids
+
+
+def test_the_registry_holds_every_shipped_method():
+    from bench.cli import choices
+
+    assert set(METHODS) == set(choices("method"))  # one YAML per method, one method per YAML
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_runs_through_the_harness_on_the_tiny_pair(name, compose_cfg, tmp_path):
+    from bench.runner import run
+
+    run(compose_cfg("pair=tiny", f"method={name}", "max_new_tokens=12", "dataset.n_prompts=2", "warmup=0"), tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    mine = [r for r in records if r["method"] == name]
+    assert len(mine) == 2 and all(0 < r["new_tokens"] <= 12 and r["target_calls"] >= 1 for r in mine)
+    assert all(r["lossless"] == get_method(name).lossless for r in mine)
+
+
+@pytest.mark.parametrize("name", [m for m in METHODS if get_method(m).lossless])
+def test_lossless_greedy_equals_ar(name, good_pair, tiny_pair):
+    # Both a weak (random) and a good draft: acceptance changes, the output must not.
+    for pair in (tiny_pair, good_pair):
+        assert_greedy_equal_to_ar(build(pair, name), prompts_for(pair, 3))
+
+
+@pytest.mark.parametrize("name", [m for m in METHODS if get_method(m).lossless])
+def test_lossless_sampling_follows_the_target(name, good_pair, looping_prompt):
+    method = build(good_pair, name)
+    if name == "ar":  # nothing is drafted: the plain sampler alone is tested
+        from tests.helpers import second_token_counts, second_token_probs
+
+        counts, _, _ = second_token_counts(method, looping_prompt, 0.05, 200)
+        expected = second_token_probs(good_pair, looping_prompt, 0.05) * 200
+        assert counts[expected < 1e-6].sum() == 0
+        return
+    assert method.is_lossless(Sampling(0.05))
+    assert_sampling_is_the_targets(method, looping_prompt)
+
+
+@pytest.mark.parametrize("name", [m for m in METHODS if not get_method(m).lossless])
+def test_lossy_methods_say_so(name, tiny_pair):
+    assert not build(tiny_pair, name).is_lossless(Sampling(0.0))
