@@ -19,8 +19,8 @@ from typing import Callable
 
 from omegaconf import DictConfig
 
-from decoding.corpus import lee_articles
 from bench.errors import BenchError
+from decoding.corpus import lee_articles
 
 
 @dataclass

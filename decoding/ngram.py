@@ -7,22 +7,20 @@
   (:mod:`decoding.corpus`) tokenised with the pair's tokenizer.
 - :class:`BigramTable`: the most frequent next token after each token in the same text.
 
-The two corpus tables are built once (seconds) and cached under ``<cache>/ngram/``, keyed by the tokenizer
-and the recipe, written atomically.
+The two corpus tables are built once (seconds) and cached under ``<cache>/ngram/`` by
+:func:`bench.artifacts.load_or_build`, keyed by the tokenizer and the recipe.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
 
+from bench.artifacts import Artifact, load_or_build, tokenizer_fingerprint
 from bench.errors import BenchError
-from bench.models import atomic_dir, recipe_key
 
 log = logging.getLogger(__name__)
 
@@ -192,13 +190,6 @@ class BigramTable:
 # ----------------------------------------------------------------------------------------------- caching
 
 
-def tokenizer_identity(tokenizer) -> str:
-    """A hash of the tokenizer's vocabulary and special tokens: tables are only valid for the same ids."""
-    blob = json.dumps([type(tokenizer).__name__, len(tokenizer), sorted(tokenizer.get_vocab().items()),
-                       tokenizer.all_special_ids], default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
 def corpus_token_docs(tokenizer, corpus_name: str) -> list[list[int]]:
     """The documents of a packaged corpus (:func:`decoding.corpus.corpus`, train split), tokenised."""
     from decoding.corpus import corpus
@@ -207,29 +198,25 @@ def corpus_token_docs(tokenizer, corpus_name: str) -> list[list[int]]:
     return [list(ids) for ids in tokenizer(list(docs), add_special_tokens=False)["input_ids"]]
 
 
-def _load_or_build(kind: str, tokenizer, recipe: dict, cache: Path, build):
-    folder = Path(cache) / "ngram" / f"{kind}-{recipe_key(tokenizer_identity(tokenizer), kind, recipe)}"
-    path = folder / "table.pt"
-    if path.is_file():
-        try:
-            return torch.load(path, weights_only=True)
-        except Exception as err:  # a truncated or foreign file: say so once, never a traceback
-            raise BenchError(f"n-gram table cache {path} is corrupt ({type(err).__name__}); delete {folder} "
-                             "to rebuild it.") from None
-    log.info("building the %s table (%s) at %s (once)", kind, recipe, folder)
-    blob = build()
-    with atomic_dir(folder) as tmp:
-        torch.save(blob, tmp / "table.pt")
-        (tmp / "recipe.json").write_text(json.dumps({"kind": kind, **recipe}, indent=1))
-    return blob
+def _cached_table(kind: str, tokenizer, recipe: dict, cache: Path, build):
+    """The tensors of table ``kind`` for this tokenizer and recipe: ``build()``, saved once as ``table.pt``.
+
+    Always built when missing (seconds, no training); token ids are valid for the same tokenizer only, so
+    its vocabulary is part of the key.
+    """
+    art = Artifact("ngram", kind, {"tokenizer": tokenizer_fingerprint(tokenizer), "table": kind, "recipe": recipe},
+                   build=lambda folder: torch.save(build(), folder / "table.pt"),
+                   load=lambda folder: torch.load(folder / "table.pt", weights_only=True),
+                   description=f"{kind} table of corpus '{recipe['corpus']}'")
+    return load_or_build(art, cache)
 
 
 def load_bigram_table(tokenizer, vocab_size: int, corpus_name: str, cache: Path) -> BigramTable:
     """The corpus's bigram table for this tokenizer, built on first use and cached."""
     recipe = {"corpus": corpus_name, "vocab_size": int(vocab_size)}
-    blob = _load_or_build("bigram", tokenizer, recipe, cache,
-                          lambda: {"next": BigramTable.build(corpus_token_docs(tokenizer, corpus_name),
-                                                             vocab_size).tensor})
+    blob = _cached_table("bigram", tokenizer, recipe, cache,
+                         lambda: {"next": BigramTable.build(corpus_token_docs(tokenizer, corpus_name),
+                                                            vocab_size).tensor})
     return BigramTable(blob["next"])
 
 
@@ -237,7 +224,7 @@ def load_corpus_ngrams(tokenizer, corpus_name: str, min_n: int, max_n: int, leng
                        cache: Path) -> CorpusNGrams:
     """The corpus's n-gram continuation table for this tokenizer, built on first use and cached."""
     recipe = {"corpus": corpus_name, "min_n": min_n, "max_n": max_n, "length": length, "top": top}
-    blob = _load_or_build("ngrams", tokenizer, recipe, cache,
-                          lambda: CorpusNGrams.build(corpus_token_docs(tokenizer, corpus_name),
-                                                     min_n, max_n, length, top).to_tensors())
+    blob = _cached_table("ngrams", tokenizer, recipe, cache,
+                         lambda: CorpusNGrams.build(corpus_token_docs(tokenizer, corpus_name),
+                                                    min_n, max_n, length, top).to_tensors())
     return CorpusNGrams.from_tensors(blob)

@@ -25,26 +25,25 @@ head k at position t is the target's own next-token distribution at position t +
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
+from bench.artifacts import (
+    Artifact,
+    jsonable,
+    load_or_build,
+    model_fingerprint,
+    report_of,
+)
 from bench.counting import Counted, CountedModule
 from bench.errors import BenchError
-from bench.models import atomic_dir, recipe_key
 from decoding.corpus import corpus
-from decoding.distill import (
-    pick_vocab,
-    sub_index,
-    target_identity,
-    teacher_pass,
-    token_chunks,
-)
+from decoding.distill import pick_vocab, sub_index, teacher_pass, token_chunks
 from decoding.training import fit
 
 log = logging.getLogger(__name__)
@@ -297,15 +296,39 @@ def train_heads(target, tokenizer, kind: str, recipe: DictConfig) -> tuple[Heads
 # --------------------------------------------------------------------------------------------- caching
 
 
-def heads_dir(target, kind: str, recipe: DictConfig, cache: Path) -> Path:
-    """The cache folder for (target, kind, recipe). The weight checksum is taken after rounding to bf16, so
-    heads trained on the fp32 CPU target are found again when the target runs in bf16 on a GPU."""
-    emb = target.get_input_embeddings().weight.detach()[:64]
-    ident = {**target_identity(target), "checksum": round(float(emb.bfloat16().double().sum()), 4)}
-    keyed = OmegaConf.to_container(recipe, resolve=True)
-    if not keyed.get("prefix_layer", False):
-        keyed.pop("prefix_layer", None)  # heads cached before the switch existed keep their folders
-    return cache / "heads" / f"{kind}-{ident['name']}-{recipe_key(ident, kind, keyed)}"
+def heads_artifact(target, tokenizer, kind: str, recipe: DictConfig) -> Artifact:
+    """The heads of (target, kind, recipe) as a cached artifact: ``heads.pt`` (heads and prefix layer).
+
+    ``prefix_layer`` is keyed as a bool (absent = false), so a cached file always has the prefix layer its
+    recipe asks for; loading checks it anyway, since a mismatch would decode with the wrong heads' input.
+    """
+    keyed = {**jsonable(recipe), "prefix_layer": bool(recipe.get("prefix_layer", False))}
+    ident = model_fingerprint(target)
+
+    def build(folder: Path) -> dict:
+        heads, prefix, report = train_heads(target, tokenizer, kind, recipe)
+        torch.save({"kind": kind, "hidden": heads.blocks[0].linear.out_features, "num_heads": heads.num_heads,
+                    "state": heads.state_dict(), "prefix": prefix.state_dict() if prefix is not None else None},
+                   folder / "heads.pt")
+        return report
+
+    def load(folder: Path) -> tuple[Heads, PrefixLayer | None]:
+        blob = torch.load(folder / "heads.pt", map_location="cpu", weights_only=True)
+        has_prefix = blob.get("prefix") is not None
+        if has_prefix != keyed["prefix_layer"]:
+            # Not a BenchError: a file that does not fit its key is broken, rebuilt when building is allowed.
+            raise ValueError(f"it {'has' if has_prefix else 'lacks'} a prefix layer, unlike method.recipe.prefix_layer")
+        heads = Heads(blob["kind"], blob["hidden"], blob["num_heads"], blob["state"]["vocab_map"])
+        heads.load_state_dict(blob["state"])
+        prefix = None
+        if has_prefix:
+            prefix = PrefixLayer(target.config)
+            prefix.load_state_dict(blob["prefix"])
+            prefix.eval()
+        return heads.eval(), prefix
+
+    return Artifact("heads", f"{kind}-{ident['name']}", {"target": ident, "kind": kind, "recipe": keyed}, build,
+                    load, hint=f"run 'python -m bench train heads method={kind}'", description=f"{kind} heads")
 
 
 def load_or_train_heads(target, tokenizer, kind: str, recipe: DictConfig, cache: Path,
@@ -315,30 +338,6 @@ def load_or_train_heads(target, tokenizer, kind: str, recipe: DictConfig, cache:
     Returns the heads, the prefix layer (``None`` unless ``recipe.prefix_layer``), both on the CPU in fp32,
     and their training report.
     """
-    folder = heads_dir(target, kind, recipe, cache)
-    if not (folder / "heads.pt").is_file():
-        if not train_if_missing:
-            raise BenchError(f"no trained {kind} heads cached at {folder}; run 'python -m bench train heads method={kind}'.")
-        heads, prefix, report = train_heads(target, tokenizer, kind, recipe)
-        with atomic_dir(folder) as tmp:
-            blob = {"kind": kind, "hidden": heads.blocks[0].linear.out_features, "num_heads": heads.num_heads,
-                    "state": heads.state_dict(), "prefix": prefix.state_dict() if prefix is not None else None}
-            torch.save(blob, tmp / "heads.pt")
-            meta = {"kind": kind, "recipe": OmegaConf.to_container(recipe, resolve=True), "report": report}
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        log.info("%s heads cached at %s: %s", kind, folder, report)
-    try:
-        blob = torch.load(folder / "heads.pt", map_location="cpu", weights_only=True)
-        heads = Heads(blob["kind"], blob["hidden"], blob["num_heads"], blob["state"]["vocab_map"])
-        heads.load_state_dict(blob["state"])
-        prefix = None
-        if blob.get("prefix") is not None:
-            prefix = PrefixLayer(target.config)
-            prefix.load_state_dict(blob["prefix"])
-        report = json.loads((folder / "meta.json").read_text())["report"]
-    except Exception as err:  # noqa: BLE001 - any unreadable file is the same problem for the user
-        raise BenchError(f"the cached {kind} heads at {folder} are corrupt ({type(err).__name__}); delete that folder to retrain them.") from None
-    if (prefix is not None) != bool(recipe.get("prefix_layer", False)):
-        raise BenchError(f"the cached {kind} heads at {folder} {'have' if prefix is not None else 'lack'} a prefix layer, "
-                         f"unlike method.recipe.prefix_layer; delete that folder to retrain them.")
-    return heads.eval(), (prefix.eval() if prefix is not None else None), report
+    art = heads_artifact(target, tokenizer, kind, recipe)
+    heads, prefix = load_or_build(art, cache, train_if_missing)
+    return heads, prefix, report_of(art, cache)

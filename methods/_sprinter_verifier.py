@@ -8,19 +8,17 @@ at each position is the candidate, and the label says whether the target would a
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 from tqdm.auto import tqdm
 
-from bench.errors import BenchError
-from bench.models import atomic_dir, recipe_key
+from bench.artifacts import Artifact, load_or_build, model_fingerprint, report_of
 from decoding.corpus import corpus
 from decoding.distill import token_chunks
 from decoding.training import fit
@@ -178,45 +176,37 @@ def train_verifier(pair, recipe: DictConfig) -> tuple[Verifier, dict]:
     return model, report
 
 
-def pair_identity(pair) -> dict:
-    """What a verifier depends on: the target and draft specs (recipe included), the draft's shape and a
-    checksum of its weights (a retrained draft, same recipe, must not reuse a verifier fitted to the old one;
-    taken after rounding to bf16, so the fp32 CPU and bf16 GPU copies of one draft share a verifier)."""
-    draft = pair.draft.module
-    spec = pair.spec
-    return {
-        "target": OmegaConf.to_container(spec.target, resolve=True),
-        "draft": OmegaConf.to_container(spec.drafts[0], resolve=True),
-        "draft_params": sum(p.numel() for p in draft.parameters()),
-        "draft_checksum": round(sum(float(p.detach().bfloat16().double().sum()) for p in draft.parameters()), 4),
-        "draft_hidden": int(draft.config.hidden_size),
-        "vocab": int(pair.target.module.config.vocab_size),
-    }
+def verifier_artifact(pair, recipe: DictConfig) -> Artifact:
+    """The verifier of (pair, recipe) as a cached artifact: ``verifier.pt``.
 
+    Keyed by the weights of both models, not only their specs: a retrained draft (same spec) must not reuse
+    a verifier fitted to the old one.
+    """
+    key = {"target": model_fingerprint(pair.target.module), "draft": model_fingerprint(pair.draft.module),
+           "draft_spec": pair.spec.drafts[0], "recipe": recipe}
 
-def verifier_dir(pair, recipe: DictConfig) -> Path:
-    return pair.cache / "verifiers" / f"{pair.name}-{recipe_key(pair_identity(pair), recipe)}"
-
-
-def load_or_train_verifier(pair, recipe: DictConfig, train_if_missing: bool) -> tuple[Verifier, dict]:
-    """The cached verifier of (pair, recipe), trained first when missing and ``train_if_missing``."""
-    folder = verifier_dir(pair, recipe)
-    if not (folder / "verifier.pt").is_file():
-        if not train_if_missing:
-            raise BenchError(f"no SPRINTER verifier cached at {folder}; run 'python -m bench train verifier "
-                             f"pair={pair.name} method=sprinter'.")
+    def build(folder: Path) -> dict:
         model, report = train_verifier(pair, recipe)
-        with atomic_dir(folder) as tmp:
-            torch.save({"d_in": model.d_in, "width": model.width, "state": model.state_dict()}, tmp / "verifier.pt")
-            meta = {"recipe": OmegaConf.to_container(recipe, resolve=True), "pair": pair_identity(pair), "report": report}
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
-        log.info("verifier cached at %s: %s", folder, report)
-    try:
+        torch.save({"d_in": model.d_in, "width": model.width, "state": model.state_dict()}, folder / "verifier.pt")
+        return report
+
+    def load(folder: Path) -> Verifier:
         blob = torch.load(folder / "verifier.pt", map_location="cpu", weights_only=True)
         model = Verifier(int(blob["d_in"]), int(blob["width"]))
         model.load_state_dict(blob["state"])
-        report = json.loads((folder / "meta.json").read_text())["report"]
-    except Exception as err:  # noqa: BLE001 - any unreadable file is the same problem for the user
-        raise BenchError(f"the cached SPRINTER verifier at {folder} is corrupt ({type(err).__name__}); "
-                         "delete that folder to retrain it.") from None
-    return model.eval(), report
+        return model.eval()
+
+    return Artifact("verifiers", pair.name, key, build, load, description="SPRINTER verifier",
+                    hint=f"run 'python -m bench train verifier pair={pair.name} method=sprinter'")
+
+
+def verifier_dir(pair, recipe: DictConfig) -> Path:
+    """Where the verifier of (pair, recipe) is cached."""
+    return verifier_artifact(pair, recipe).folder(pair.cache)
+
+
+def load_or_train_verifier(pair, recipe: DictConfig, train_if_missing: bool) -> tuple[Verifier, dict]:
+    """The cached verifier of (pair, recipe) and its held-out report, trained first when missing and
+    ``train_if_missing``."""
+    art = verifier_artifact(pair, recipe)
+    return load_or_build(art, pair.cache, train_if_missing), report_of(art, pair.cache)

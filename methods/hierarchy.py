@@ -23,7 +23,6 @@ import json
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from bench.errors import BenchError
 from bench.metrics import ratio
@@ -50,28 +49,27 @@ def load_records_db(path: str, pair_name: str) -> list[tuple[tuple[int, ...], li
 
 def load_or_build_model_db(pair, settings, build_if_missing: bool) -> list[list[int]]:
     """The target's greedy answers (token ids) to ``settings.prompts`` packaged instructions, cached as JSON
-    under ``cache/ngram/`` keyed by the target's identity and ``settings``; generated once when missing."""
-    from bench.models import recipe_key
-    from bench.results import write_json_atomic
+    under ``cache/ngram/`` keyed by the target's weights and ``settings``; generated once when missing."""
+    from bench.artifacts import Artifact, load_or_build, model_fingerprint
     from decoding.corpus import instruction_prompts
-    from decoding.distill import target_answers, target_identity
+    from decoding.distill import target_answers
 
     target = pair.target.module
-    path = pair.cache / "ngram" / f"model-db-{recipe_key(target_identity(target), settings)}.json"
-    if not path.is_file():
-        if not build_if_missing:
-            raise BenchError(f"no model database cached at {path}; run with train_if_missing=true to build it.")
+
+    def build(folder: Path) -> None:
         prompts = instruction_prompts(int(settings.prompts), int(settings.seed))
         with torch.inference_mode():
             docs = [answer.tolist() for _, answer, _, _ in target_answers(
                 target, pair.tokenizer, prompts, int(settings.batch_size), int(settings.max_new_tokens),
                 "hierarchy: target answers")]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, {"settings": OmegaConf.to_container(settings), "docs": docs})
-    try:
-        return [list(map(int, d)) for d in json.loads(path.read_text())["docs"]]
-    except (ValueError, KeyError, TypeError):
-        raise BenchError(f"the cached model database {path} is corrupt; delete it to rebuild it.") from None
+        (folder / "docs.json").write_text(json.dumps(docs))
+
+    def load(folder: Path) -> list[list[int]]:
+        return [list(map(int, d)) for d in json.loads((folder / "docs.json").read_text())]
+
+    art = Artifact("ngram", "model-db", {"target": model_fingerprint(target), "settings": settings}, build, load,
+                   description="hierarchy model database")
+    return load_or_build(art, pair.cache, build_if_missing)
 
 
 @register("hierarchy")

@@ -10,9 +10,8 @@ import torch
 from bench.errors import BenchError
 from decoding.ngram import BigramTable, CorpusNGrams, NGramIndex, load_corpus_ngrams
 from bench.registry import get_method
-from decoding.sampling import Sampling
 from bench.validate import validate
-from tests.helpers import decode, method_cfg, prompts_for, repeating_prompt, with_drafts
+from tests.helpers import decode, method_cfg, prompts_for, repeating_prompt, run, with_drafts
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "method"
 
@@ -68,14 +67,15 @@ def test_corpus_tables_count_and_round_trip():
     assert bigram.next[7] == 1  # never seen: the most frequent token
 
 
-def test_corpus_table_is_cached_and_a_corrupt_cache_is_one_clear_error(tiny_pair, tmp_path):
+def test_corpus_table_is_cached_and_a_corrupt_cache_is_rebuilt(tiny_pair, tmp_path):
     load = lambda: load_corpus_ngrams(tiny_pair.tokenizer, "lee", 1, 1, 2, 1, tmp_path)  # noqa: E731
     first = load()
     [path] = list(tmp_path.glob("ngram/ngrams-*/table.pt"))
-    assert load().table == first.table
+    stamp = path.stat().st_mtime_ns
+    assert load().table == first.table and path.stat().st_mtime_ns == stamp  # from the cache
     path.write_bytes(path.read_bytes()[:100])
-    with pytest.raises(BenchError, match="is corrupt"):
-        load()
+    assert load().table == first.table  # tables are always built when missing: a truncated one is rebuilt
+    assert path.stat().st_mtime_ns != stamp
 
 
 # ------------------------------------------------------------------------------------------ pld
@@ -202,13 +202,16 @@ def test_hierarchy_model_database_of_target_answers_is_built_once_and_cached(tin
     (a, ref_a) = ar_outputs[0]
     out = run(method, a, 40)
     assert out.output_ids == ref_a and out.extra["databases"]["model"]["lookups"] > 0  # answers from the start
-    (cached,) = (tmp_path / "ngram").glob("model-db-*.json")
-    stamp = cached.stat().st_mtime_ns
+    (cached,) = (tmp_path / "ngram").glob("model-db-*/docs.json")
+    stamp, docs = cached.stat().st_mtime_ns, cached.read_text()
     build(pair, "hierarchy", databases=["model"], model_db=settings)  # from the cache, not generated again
     assert cached.stat().st_mtime_ns == stamp
     cached.write_text("{not json")
-    with pytest.raises(BenchError, match="is corrupt"):
-        build(pair, "hierarchy", databases=["model"], model_db=settings)
+    again = get_method("hierarchy")(method_cfg("hierarchy", databases=["model"], model_db=settings), pair)
+    with pytest.raises(BenchError, match=r"hierarchy model database at .* cannot be used \(docs.json has 9 bytes"):
+        again.setup(train_if_missing=False)
+    build(pair, "hierarchy", databases=["model"], model_db=settings)  # building allowed: generated again
+    assert cached.read_text() == docs
 
 
 # ------------------------------------------------------------------------------------------ bad settings

@@ -173,43 +173,60 @@ def test_bad_settings_raise_one_sentence(compose_cfg, over, words):
         validate(cfg)
 
 
-def test_corrupt_heads_cache_is_one_sentence(tmp_path, tiny_pair):
-    from methods._heads import heads_dir, load_or_train_heads
+def test_corrupt_heads_cache_is_retrained_or_one_sentence(tmp_path, tiny_pair):
+    from methods._heads import heads_artifact, load_or_train_heads
 
     recipe = OmegaConf.create(method_cfg("medusa")["recipe"])
-    target = tiny_pair.target.module
-    with pytest.raises(BenchError, match="no trained medusa heads"):
-        load_or_train_heads(target, tiny_pair.tokenizer, "medusa", recipe, tmp_path, train_if_missing=False)
-    folder = heads_dir(target, "medusa", recipe, tmp_path)
-    folder.mkdir(parents=True)
-    (folder / "heads.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(BenchError, match="corrupt"):
-        load_or_train_heads(target, tiny_pair.tokenizer, "medusa", recipe, tmp_path)
+    target, tok = tiny_pair.target.module, tiny_pair.tokenizer
+    with pytest.raises(BenchError, match=r"no cached medusa heads at .*; run 'python -m bench train heads method=medusa'"):
+        load_or_train_heads(target, tok, "medusa", recipe, tmp_path, train_if_missing=False)
+    heads, _, report = load_or_train_heads(target, tok, "medusa", recipe, tmp_path)
+    assert len(report["agreement_after"]) == heads.num_heads  # the training report comes with the cached heads
+    path = heads_artifact(target, tok, "medusa", recipe).folder(tmp_path) / "heads.pt"
+    size = path.stat().st_size
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(BenchError, match=r"medusa heads at .* cannot be used \(heads.pt has 16 bytes.*python -m bench"):
+        load_or_train_heads(target, tok, "medusa", recipe, tmp_path, train_if_missing=False)
+    again, _, _ = load_or_train_heads(target, tok, "medusa", recipe, tmp_path)  # building allowed: retrained
+    assert path.stat().st_size == size and again.num_heads == heads.num_heads
 
 
-def test_heads_cache_without_the_recipes_prefix_layer_is_one_sentence(tmp_path, tiny_pair):
-    """A heads file that lacks (or carries a broken) prefix layer the recipe asks for: one sentence, no traceback."""
-    from methods._heads import Heads, PrefixLayer, heads_dir, load_or_train_heads
+def write_foreign_heads(folder, blob):
+    """A heads file saved under ``folder`` with a manifest that matches it (as an older build would leave):
+    only loading it can tell that it does not fit."""
+    import json
 
-    target = tiny_pair.target.module
-    recipe = OmegaConf.create(method_cfg("hydra_pp")["recipe"])
-    heads = Heads("hydra", 64, 4, torch.arange(200))
-    folder = heads_dir(target, "hydra", recipe, tmp_path)
-    folder.mkdir(parents=True)
-    (folder / "meta.json").write_text('{"report": {}}')
-    blob = {"kind": "hydra", "hidden": 64, "num_heads": 4, "state": heads.state_dict(), "prefix": None}
+    from bench.artifacts import file_sha256
+
+    folder.mkdir(parents=True, exist_ok=True)
     torch.save(blob, folder / "heads.pt")
-    with pytest.raises(BenchError, match=r"lack a prefix layer, unlike method.recipe.prefix_layer; delete that folder"):
-        load_or_train_heads(target, tiny_pair.tokenizer, "hydra", recipe, tmp_path, train_if_missing=False)
+    files = {"heads.pt": {"bytes": (folder / "heads.pt").stat().st_size, "sha256": file_sha256(folder / "heads.pt")}}
+    (folder / "manifest.json").write_text(json.dumps({"files": files}))
+
+
+def test_heads_cache_without_the_recipes_prefix_layer_is_retrained_or_one_sentence(tmp_path, tiny_pair):
+    """A heads file that lacks (or carries a broken) prefix layer the recipe asks for: one sentence naming the
+    folder, no traceback; retrained when building is allowed."""
+    from methods._heads import Heads, PrefixLayer, heads_artifact, load_or_train_heads
+
+    target, tok = tiny_pair.target.module, tiny_pair.tokenizer
+    recipe = OmegaConf.create(method_cfg("hydra_pp")["recipe"])
+    folder = heads_artifact(target, tok, "hydra", recipe).folder(tmp_path)
+    heads = Heads("hydra", 64, 4, torch.arange(200))
+    blob = {"kind": "hydra", "hidden": 64, "num_heads": 4, "state": heads.state_dict(), "prefix": None}
+    write_foreign_heads(folder, blob)
+    with pytest.raises(BenchError, match=r"hydra heads at .* cannot be loaded \(ValueError: it lacks a prefix layer, "
+                                         r"unlike method.recipe.prefix_layer\); run 'python -m bench train heads"):
+        load_or_train_heads(target, tok, "hydra", recipe, tmp_path, train_if_missing=False)
     state = PrefixLayer.from_target(target).state_dict()
     state["gamma"] = torch.zeros(65)  # saved for another target
-    torch.save({**blob, "prefix": state}, folder / "heads.pt")
-    with pytest.raises(BenchError, match="corrupt"):
-        load_or_train_heads(target, tiny_pair.tokenizer, "hydra", recipe, tmp_path, train_if_missing=False)
-    torch.save({**blob, "prefix": PrefixLayer.from_target(target).state_dict()}, folder / "heads.pt")
+    write_foreign_heads(folder, {**blob, "prefix": state})
+    with pytest.raises(BenchError, match=r"cannot be loaded \(RuntimeError"):
+        load_or_train_heads(target, tok, "hydra", recipe, tmp_path, train_if_missing=False)
+    _, prefix, _ = load_or_train_heads(target, tok, "hydra", recipe, tmp_path)  # building allowed: retrained
+    assert prefix is not None
     no_prefix = OmegaConf.merge(recipe, {"prefix_layer": False})
-    nofolder = heads_dir(target, "hydra", no_prefix, tmp_path)
-    nofolder.parent.mkdir(parents=True, exist_ok=True)
-    folder.rename(nofolder)  # a file with a prefix layer where the recipe has none
-    with pytest.raises(BenchError, match="have a prefix layer"):
-        load_or_train_heads(target, tiny_pair.tokenizer, "hydra", no_prefix, tmp_path, train_if_missing=False)
+    write_foreign_heads(heads_artifact(target, tok, "hydra", no_prefix).folder(tmp_path),
+                        {**blob, "prefix": PrefixLayer.from_target(target).state_dict()})
+    with pytest.raises(BenchError, match="it has a prefix layer"):  # a prefix layer where the recipe has none
+        load_or_train_heads(target, tok, "hydra", no_prefix, tmp_path, train_if_missing=False)

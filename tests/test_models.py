@@ -58,18 +58,22 @@ def test_distilled_draft_trains_caches_and_is_lossless(distilled_cfg):
     assert torch.equal(again.draft.module.head.weight, pair.draft.module.head.weight)
 
 
-def test_corrupt_draft_cache_is_one_clear_error(distilled_cfg):
-    from decoding.distill import draft_dir
+def test_corrupt_draft_cache_is_rebuilt_or_one_clear_error(distilled_cfg):
+    from decoding.distill import draft_artifact, draft_report
 
     pair = load_pair(distilled_cfg)
-    folder = draft_dir(pair.target.module, distilled_cfg.pair.drafts[0].recipe, pair.cache)
+    recipe = distilled_cfg.pair.drafts[0].recipe
+    folder = draft_artifact(pair.target.module, None, recipe).folder(pair.cache)
+    assert draft_report(pair.target.module, recipe, pair.cache)["vocab"] == 64  # the training report, kept
     blob = (folder / "draft.pt").read_bytes()
-    try:
-        (folder / "draft.pt").write_bytes(blob[: len(blob) // 3])
-        with pytest.raises(BenchError, match="is corrupt"):
-            load_pair(distilled_cfg)
-    finally:
-        (folder / "draft.pt").write_bytes(blob)
+    (folder / "draft.pt").write_bytes(blob[: len(blob) // 3])
+    with pytest.raises(BenchError, match=r"distilled draft at .* cannot be used \(draft.pt has .*truncated.*"
+                                         r"python -m bench train draft"):
+        load_pair(distilled_cfg, train_if_missing=False)
+    again = load_pair(distilled_cfg)  # building allowed: distilled again
+    assert (folder / "draft.pt").stat().st_size == len(blob)
+    ids = prompts_for(again, 1)[0]
+    assert decode(again, "sd", ids, max_new=16, gamma=3).output_ids == decode(again, "ar", ids, max_new=16).output_ids
 
 
 def test_load_pair_applies_threads(compose_cfg):

@@ -39,7 +39,7 @@ def test_training_reports_and_caches(tiny_pair):
     assert m.report["train_examples"] == 4096 and m.report["heldout_examples"] == 2048
     assert 0 <= m.report["accuracy"] <= 1
     folder = verifier_dir(tiny_pair, m.cfg.verifier)
-    assert (folder / "verifier.pt").is_file() and (folder / "meta.json").is_file()
+    assert (folder / "verifier.pt").is_file() and (folder / "manifest.json").is_file()
     stamp = (folder / "verifier.pt").stat().st_mtime_ns
     again = sprinter(tiny_pair)
     again.setup(train_if_missing=False)  # loads the cached one, does not retrain
@@ -68,19 +68,24 @@ def test_sampling_labels_train(tiny_pair):
     assert REPORT_KEYS <= m.report.keys()
 
 
-def test_missing_and_corrupt_cache_are_one_sentence(tiny_pair, tmp_path):
+def test_missing_and_corrupt_cache_are_one_sentence_or_retrained(tiny_pair, tmp_path):
+    from methods._sprinter_verifier import verifier_dir
+
     pair = copy.copy(tiny_pair)
     pair.cache = tmp_path
     pair.roles = dict(tiny_pair.roles)
-    with pytest.raises(BenchError, match="no SPRINTER verifier cached at .*python -m bench train verifier"):
+    with pytest.raises(BenchError, match="no cached SPRINTER verifier at .*; run 'python -m bench train verifier "
+                                         "pair=tiny method=sprinter'"):
         sprinter(pair).setup(train_if_missing=False)
     m = sprinter(pair)
     m.setup()
-    from methods._sprinter_verifier import verifier_dir
-
-    (verifier_dir(pair, m.cfg.verifier) / "verifier.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(BenchError, match="is corrupt .*delete that folder"):
+    path = verifier_dir(pair, m.cfg.verifier) / "verifier.pt"
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(BenchError, match=r"SPRINTER verifier at .* cannot be used \(verifier.pt has 16 bytes"):
         sprinter(pair).setup(train_if_missing=False)
+    again = sprinter(pair)
+    again.setup()  # building allowed: retrained
+    assert REPORT_KEYS <= again.report.keys() and path.stat().st_size > 16
 
 
 @pytest.mark.parametrize("cfg,needle", [
