@@ -85,6 +85,26 @@ def compose(args: list[str], hydra: bool = False) -> DictConfig:
         return hydra_compose(config_name="config", overrides=args, return_hydra_config=hydra)
 
 
+def group_option(group: str, name: str) -> DictConfig:
+    """``configs/<group>/<name>.yaml`` as Hydra composes it for ``group=name``, its own ``defaults`` list
+    included (``method/hydra_pp`` extends ``method/hydra``), e.g. the baseline's full method config.
+
+    Inside the ``@hydra.main`` app the running Hydra composes it; elsewhere (tests calling ``bench.runner.run``
+    with a composed config, scripts) Hydra is initialised on ``CONFIG_DIR`` for this one call.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if name not in choices(group):
+        raise BenchError(f"unknown {group} '{name}'; choose one of: {', '.join(choices(group))}.")
+    overrides = [f"{group}={name}"]
+    if GlobalHydra.instance().is_initialized():
+        return hydra_compose(config_name="config", overrides=overrides)[group]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides)[group]
+
+
 def train_main(args: list[str]) -> int:
     """``train draft|heads|verifier [overrides]``: build and cache a trained part now (``run`` would too)."""
     what = ["draft", "heads", "verifier"]

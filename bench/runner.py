@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from bench import metrics, quality
+from bench.cli import group_option
 from bench.data import encode, load_prompts
 from bench.models import Pair, load_pair
 from bench.registry import get_method
@@ -108,34 +109,36 @@ def cost_ratio(pair: Pair, prompt_ids: torch.Tensor, repeats: int = 10) -> float
 
 
 def method_cfgs(cfg: DictConfig) -> dict[str, DictConfig]:
-    """The baseline (if any) and the method under test, in that order, each with its settings."""
+    """The baseline (if any) and the method under test, in that order, each with its settings: the
+    baseline gets its own ``configs/method/<name>.yaml`` in full (e.g. ``sd``'s gamma), as ``method=<name>``
+    would, since its decode reads them like any method's."""
     cfgs = {}
     if cfg.get("baseline") and cfg.baseline != cfg.method.name:
-        cfgs[cfg.baseline] = OmegaConf.create({"name": cfg.baseline})
+        cfgs[cfg.baseline] = group_option("method", cfg.baseline)
     cfgs[cfg.method.name] = cfg.method
     return cfgs
 
 
-def drafts_needed(cfg: DictConfig) -> int:
+def drafts_needed(mcfgs: dict[str, DictConfig]) -> int:
     """How many of the pair's drafts the baseline and the method use (the rest are never loaded or trained)."""
-    return max(get_method(name).drafts for name in method_cfgs(cfg))
+    return max(get_method(name).drafts for name in mcfgs)
 
 
-def build_methods(cfg: DictConfig, pair: Pair) -> dict:
+def build_methods(cfg: DictConfig, mcfgs: dict[str, DictConfig], pair: Pair) -> dict:
     """The baseline (if any) and the method under test, set up (trained if missing) before any clock runs."""
     built = {}
-    for name, mcfg in method_cfgs(cfg).items():
+    for name, mcfg in mcfgs.items():
         built[name] = get_method(name)(mcfg, pair)
         built[name].setup(train_if_missing=cfg.train_if_missing)
     return built
 
 
-def resume_plan(cfg: DictConfig, run_dir: Path, prompts: list) -> tuple[dict, dict]:
+def resume_plan(cfg: DictConfig, mcfgs: dict[str, DictConfig], run_dir: Path, prompts: list) -> tuple[dict, dict]:
     """``keys[prompt_id][method]``: the run key of every decode this run makes; ``done[prompt_id]``: with
     ``resume`` set, the records of prompts whose every method already has a complete record in ``run_dir``
     (a prompt missing any of them is decoded again by all, so speedups stay paired within one process)."""
-    mcfgs = {name: OmegaConf.to_container(m, resolve=True) for name, m in method_cfgs(cfg).items()}
-    keys = {p.prompt_id: {name: run_key(mc, cfg, p.prompt_id) for name, mc in mcfgs.items()} for p in prompts}
+    settings = {name: OmegaConf.to_container(m, resolve=True) for name, m in mcfgs.items()}
+    keys = {p.prompt_id: {name: run_key(mc, cfg, p.prompt_id) for name, mc in settings.items()} for p in prompts}
     done = {}
     if cfg.get("resume"):
         prev = previous_records(run_dir)
@@ -221,7 +224,8 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
     torch.manual_seed(cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(cfg.dataset, cfg.seed)
-    keys, done = resume_plan(cfg, run_dir, prompts)
+    mcfgs = method_cfgs(cfg)
+    keys, done = resume_plan(cfg, mcfgs, run_dir, prompts)
     # Prompt i keeps its index (its seed and its order of methods) whether or not earlier ones were kept.
     todo = [(i, p) for i, p in enumerate(prompts) if p.prompt_id not in done]
     carried = [r for p in prompts for r in done.get(p.prompt_id, [])]
@@ -230,8 +234,8 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
 
     methods_, encoded, tensors = {}, [], []
     if todo:
-        pair = load_pair(cfg, train_if_missing=cfg.train_if_missing, n_drafts=drafts_needed(cfg))
-        methods_ = build_methods(cfg, pair)
+        pair = load_pair(cfg, train_if_missing=cfg.train_if_missing, n_drafts=drafts_needed(mcfgs))
+        methods_ = build_methods(cfg, mcfgs, pair)
         sampling = Sampling(float(cfg.temperature), float(cfg.top_p))
         encoded = [encode(p, pair.tokenizer, cfg.dataset.get("template")) for _, p in todo]
         tensors = [torch.tensor([ids], device=pair.device) for ids in encoded]
