@@ -39,18 +39,12 @@ def check_choices(overrides: list[str]) -> None:
                 raise BenchError(f"unknown {key} '{name}'; choose one of: {', '.join(choices(key))}.")
 
 
-def print_summary(rows: list[dict], run_dir: Path) -> None:
-    import pandas as pd
+def print_summary(run_dir: Path, baseline: str | None) -> None:
+    """The run's summary as ``python -m bench table RUN_DIR`` prints it: the same code, on the records just written."""
+    from bench import summary
 
-    df = pd.DataFrame(rows)
-    cols = ["method", "prompts", "new_tokens", "tokens_per_s", "speedup", "mean_accepted", "alpha",
-            "analytic_speedup", "target_calls_per_token", "gflops_per_token", "ttft_s", "matches_baseline",
-            # lossy methods only (bench/quality.py)
-            "token_agreement", "rougeL_vs_baseline", "exact_match", "rougeL_vs_reference", "perplexity",
-            "perplexity_baseline"]
-    df = df[[c for c in cols if c in df.columns]]
     print()
-    print(df.to_markdown(index=False, floatfmt=".3g"))
+    print(summary.markdown(summary.run_summary(run_dir, baseline)))
     print(f"\nresults: {run_dir}")
 
 
@@ -60,11 +54,11 @@ def _hydra_run(cfg: DictConfig) -> None:
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        rows = run(cfg, run_dir)
+        run(cfg, run_dir)
     except BenchError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)  # SystemExit passes through Hydra's handler: one sentence, no traceback
-    print_summary(rows, run_dir)
+    print_summary(run_dir, cfg.get("baseline"))
 
 
 def run_main(args: list[str]) -> int:

@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from bench import metrics, quality
+from bench import metrics, quality, summary
 from bench.cli import group_option
 from bench.data import encode, load_prompts
 from bench.models import Pair, load_pair
@@ -155,7 +155,8 @@ def previous_provenance(run_dir: Path) -> dict | None:
         return None
 
 
-def make_record(cfg, pair, method, prompt, prompt_ids, run: dict) -> dict:
+def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float) -> dict:
+    """One prompt's record from one timed decode (``c``: the run's measured draft/target cost ratio)."""
     decoded = run["decoded"]
     new = len(decoded.output_ids)
     rec = {
@@ -177,39 +178,14 @@ def make_record(cfg, pair, method, prompt, prompt_ids, run: dict) -> dict:
         "new_tokens": new,
         "accept_lengths": decoded.accept_lengths,
         "drafted": decoded.drafted,
+        # P(draft token i accepted | tokens before it accepted and i proposed), i = 0, 1, ...; [] without drafts.
+        "accept_by_position": metrics.acceptance_by_position(decoded.accept_lengths, decoded.drafted) if any(decoded.drafted) else [],
+        "cost_ratio_c": c,  # the run's measured c, so a table reads it from the records (the analytic speedup)
         "peak_mem_bytes": run["peak_mem_bytes"],
         "extra": decoded.extra,
     }
     rec.update(metrics.record_metrics(new, run["wall_s"], run["ttft_s"], decoded.accept_lengths, run["counts"]))
     return rec
-
-
-def summarize(records: list[dict], baseline: str | None, c: float) -> list[dict]:
-    """One row per method: medians over prompts, paired speedups, α and the analytic speedup."""
-    rows = []
-    for name in dict.fromkeys(r["method"] for r in records):
-        rs = [r for r in records if r["method"] == name]
-        acc = [a for r in rs for a in r["accept_lengths"]]
-        dr = [d for r in rs for d in r["drafted"]]
-        alpha = metrics.alpha_estimate(acc, dr)
-        gamma = metrics.ratio(sum(dr), len(dr))
-        rows.append({
-            "method": name,
-            "prompts": len(rs),
-            "new_tokens": sum(r["new_tokens"] for r in rs),
-            "wall_s": metrics.median(r["wall_s"] for r in rs),
-            "ttft_s": metrics.median(r["ttft_s"] for r in rs),
-            "tokens_per_s": metrics.median(r["tokens_per_s"] for r in rs),
-            "speedup": metrics.median(r.get("speedup") for r in rs) if name != baseline else 1.0,
-            "mean_accepted": metrics.ratio(sum(acc), len(acc)),
-            "alpha": alpha if any(dr) else float("nan"),
-            "analytic_speedup": metrics.analytic_speedup(alpha, gamma, c) if any(dr) else float("nan"),
-            "target_calls_per_token": metrics.ratio(sum(r["target_calls"] for r in rs), sum(r["new_tokens"] for r in rs)),
-            "gflops_per_token": metrics.ratio(sum(r["flops"]["total"] for r in rs), sum(r["new_tokens"] for r in rs)) / 1e9,
-            "matches_baseline": (all(r.get("matches_baseline") for r in rs) if name != baseline and rs[0].get("matches_baseline") is not None else None),
-            **quality.summarize_quality(rs),  # lossy methods only: agreement with AR, reference scores, perplexity
-        })
-    return rows
 
 
 def paired_speedup(base: dict, rec: dict) -> float:
@@ -261,7 +237,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
             per_prompt = {}
             for m in order if i % 2 == 0 else order[::-1]:
                 res = timed_decode(m, pair, x, cfg.max_new_tokens, sampling, cfg.seed + i)
-                per_prompt[m.name] = make_record(cfg, pair, m, prompt, ids, res)
+                per_prompt[m.name] = make_record(cfg, pair, m, prompt, ids, res, prov["cost_ratio_c"])
                 per_prompt[m.name]["run_key"] = keys[prompt.prompt_id][m.name]
             base = per_prompt.get(cfg.get("baseline"))
             for name, rec in per_prompt.items():
@@ -281,6 +257,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
         prov["status"] = "complete" if ok else "failed"
         prov["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         if ok:
-            prov["summary"] = summarize(records, cfg.get("baseline"), prov["cost_ratio_c"])
+            # From the records just published, read back as `python -m bench table` reads them: one summary.
+            prov["summary"] = summary.as_rows(summary.run_summary(run_dir, cfg.get("baseline")))
         write_json_atomic(run_dir / "run.json", prov)
     return prov["summary"]
