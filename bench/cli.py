@@ -43,7 +43,7 @@ def print_summary(run_dir: Path, baseline: str | None) -> None:
     """The run's summary as ``python -m bench table RUN_DIR`` prints it: the same code, on the records just written."""
     from bench import summary
 
-    print()
+    print(f"\n{summary.legend()}\n")
     print(summary.markdown(summary.run_summary(run_dir, baseline)))
     print(f"\nresults: {run_dir}")
 

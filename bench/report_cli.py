@@ -55,13 +55,6 @@ def write_table(table: pd.DataFrame, out_dir: Path, stem: str) -> dict:
     return paths
 
 
-def legend(level: float) -> str:
-    """What the speedup columns mean, in one line (printed under every table)."""
-    return (f"speedup_median: median over prompts of the per-prompt paired speedup [{level:.0%} bootstrap interval]; "
-            "speedup_iqr: its 25th-75th percentiles across prompts; speedup_pooled: total tokens / total seconds "
-            "over the same prompts, over the baseline's")
-
-
 def table_main(argv: list[str]) -> int:
     """``python -m bench table RESULTS... [--by-category] [--ci 0.95] [--out DIR]``."""
     args = _args("table", argv, _TABLE_FLAGS)
@@ -72,7 +65,7 @@ def table_main(argv: list[str]) -> int:
     if args.by_category:
         tables["by_category"] = summary.summary_table(df, by_category=True, level=args.ci)
     for stem, table in tables.items():
-        print(f"\n{stem} ({len(df)} records; {legend(args.ci)})\n")
+        print(f"\n{stem} ({len(df)} records; {summary.legend(args.ci)})\n")
         print(summary.markdown(table))
         write_table(table, args.out, stem)
     print(f"\ntables: {args.out}/{{{','.join(tables)}}}.{{csv,md,tex}}")
@@ -149,7 +142,7 @@ def render_report(df: pd.DataFrame, runs: list[dict], out_dir: Path, level: floa
         f"<p class='muted'>{len(df)} records from {df['run_dir'].nunique()} run directories; generated "
         f"{dt.datetime.now().isoformat(timespec='seconds')}. Per-prompt speedup: the baseline's "
         f"({html.escape(baselines)}) seconds per token over the method's, both decoded on the same prompt in the "
-        f"same run. {html.escape(legend(level))}.</p>",
+        f"same run. {html.escape(summary.legend(level))}.</p>",
         "<h2>Summary</h2>", _html_table(summary.display_table(table)),
         "<h2>By category</h2>", _html_table(summary.display_table(by_cat)),
         "<h2>Figures</h2>",

@@ -245,6 +245,9 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
                     rec["speedup"] = 1.0 if rec is base else paired_speedup(base, rec)
                     # Token-for-token equality with the baseline: greedy runs only (sampled outputs match by chance).
                     rec["matches_baseline"] = rec["output_ids"] == base["output_ids"] if sampling.greedy else None
+                # A greedy output that leaves the baseline's: where, and whether the target's choice there was a
+                # near-tie (a kernel rounding flip) or a real mismatch. Untimed, and its forward is not counted.
+                rec["divergence"] = quality.divergence(pair, rec, base) if rec.get("matches_baseline") is False else None
                 if not rec["lossless"]:
                     # Lossy output is scored against AR and the reference; untimed, and its one target
                     # forward is not counted (the counters are reset before the next timed decode).

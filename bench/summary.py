@@ -23,11 +23,11 @@ from bench.results import RECORDS, clean_nan
 COLUMNS = ["label", "method", "pair", "dataset", "category", "prompts", "new_tokens", "wall_s", "ttft_s",
            "tokens_per_s", "ms_per_token", "speedup_median", "speedup_lo", "speedup_hi", "speedup_q25",
            "speedup_q75", "speedup_pooled", "mean_accepted", "alpha", "accept_by_position", "mean_drafted",
-           "cost_ratio_c", "analytic_speedup", "target_calls_per_token", "gflops_per_token", "matches_baseline"]
+           "cost_ratio_c", "analytic_speedup", "target_calls_per_token", "gflops_per_token", "matches_baseline", "tie_flips", "mismatches"]
 # What people read (printed, md, tex, HTML): speedup_median carries its interval, speedup_iqr the spread.
 DISPLAY = ["label", "pair", "dataset", "category", "prompts", "new_tokens", "tokens_per_s", "speedup_median",
            "speedup_iqr", "speedup_pooled", "mean_accepted", "alpha", "accept_by_position", "analytic_speedup",
-           "target_calls_per_token", "gflops_per_token", "ttft_s", "matches_baseline"]
+           "target_calls_per_token", "gflops_per_token", "ttft_s", "matches_baseline", "tie_flips", "mismatches"]
 DISPLAY_QUALITY = ["token_agreement", "rougeL_vs_baseline", "exact_match", "rougeL_vs_reference", "perplexity",
                    "perplexity_baseline"]
 SHOWN_POSITIONS = 5  # acceptance by position: the first few in the display form, all of them in csv
@@ -59,6 +59,11 @@ def steps(g: pd.DataFrame) -> tuple[list[int], list[int]]:
     return acc, dr
 
 
+def near_tie(divergence) -> bool:
+    """Whether a record's ``divergence`` (bench.quality.divergence) says its first difference was a near-tie."""
+    return isinstance(divergence, dict) and bool(divergence.get("tie"))
+
+
 def analytic_speedup(method: str, alpha: float, gamma: float, c: float) -> float:
     """The method's own analytic speedup model (``Method.analytic_speedup``: Leviathan et al.'s for ``sd``),
     NaN for a method that states none or a name no longer registered."""
@@ -81,6 +86,8 @@ def summary_row(g: pd.DataFrame, level: float) -> dict:
     gamma = metrics.ratio(sum(dr), len(dr)) if drafting else math.nan
     c = metrics.median(g["cost_ratio_c"]) if "cost_ratio_c" in g else math.nan
     compared = g["matches_baseline"].dropna().astype(float) if "matches_baseline" in g else pd.Series(dtype=float)
+    differing = compared.index[compared == 0]  # greedy records whose tokens are not the baseline's
+    ties = int(sum(near_tie(d) for d in g["divergence"].loc[differing])) if "divergence" in g else 0
     row = {
         "method": g["method"].iloc[0],
         "prompts": len(g),
@@ -106,6 +113,9 @@ def summary_row(g: pd.DataFrame, level: float) -> dict:
         "target_calls_per_token": metrics.ratio(g["target_calls"].sum(), tokens),
         "gflops_per_token": metrics.ratio(g["flops_total"].sum(), tokens) / 1e9,
         "matches_baseline": compared.mean() if len(compared) else math.nan,  # share of greedy prompts token-identical
+        "tie_flips": ties if len(compared) else math.nan,  # greedy prompts that part from the baseline at a near-tie
+        # greedy prompts that part from it where the target's margin was >= ε (or, in older records, not measured)
+        "mismatches": int((compared == 0).sum()) - ties if len(compared) else math.nan,
     }
     qs = [q for q in g["quality"] if isinstance(q, dict)] if "quality" in g else []
     row.update({f"q_{k}": v for k, v in quality.summarize_quality([{"quality": q} for q in qs]).items()})
@@ -169,6 +179,15 @@ def display_table(table: pd.DataFrame) -> pd.DataFrame:
     t = t.rename(columns={c: c[2:] for c in t.columns if c.startswith("q_")})
     t = t[[c for c in DISPLAY + DISPLAY_QUALITY if c in t.columns]].dropna(axis=1, how="all")
     return t.astype(object).where(t.notna(), None)  # None: an empty cell (or "–"), not "nan", in every format
+
+
+def legend(level: float = 0.95) -> str:
+    """What the speedup and tie columns mean, in one line (with every printed table and in the report)."""
+    eps = ", ".join(f"{v:g} in {k}" for k, v in metrics.TIE_EPS.items())
+    return (f"speedup_median: median over prompts of the per-prompt paired speedup [{level:.0%} bootstrap interval]; "
+            "speedup_iqr: its 25th-75th percentiles across prompts; speedup_pooled: total tokens / total seconds "
+            "over the same prompts, over the baseline's; tie_flips: greedy prompts that part from the baseline where "
+            f"the target's top-1 - top-2 logit < ε ({eps}), mismatches: the other greedy prompts that part from it")
 
 
 def markdown(table: pd.DataFrame) -> str:

@@ -134,3 +134,30 @@ def test_run_prints_and_stores_the_table_summary(compose_cfg, tmp_path, capsys):
         else:
             # Positions never reached are NaN, written as null.
             assert r["accept_by_position"] == clean_nan(metrics.acceptance_by_position(r["accept_lengths"], r["drafted"]))
+
+
+def test_tie_flips_and_mismatches_are_counted_apart(tmp_path):
+    """Five greedy prompts: two equal to ar, one parting at a near-tie, one at a clear margin, one from an
+    older run without divergence (counted as a mismatch: not shown to be a tie). Sampled runs count nothing."""
+    recs = []
+    divs = [None, None, {"position": 3, "margin": 2e-4, "tie": True, "eps": 1e-3},
+            {"position": 0, "margin": 1.5, "tie": False, "eps": 1e-3}, "absent"]
+    for i, div in enumerate(divs):
+        recs.append({**_record("ar", f"p{i}", "qa", 1.0), "matches_baseline": True, "divergence": None})
+        r = {**_record("sd", f"p{i}", "qa", 0.5), "matches_baseline": div is None}
+        if div != "absent":
+            r["divergence"] = div
+        recs.append(r)
+    _write_run(tmp_path / "greedy", recs)
+    t = _rows(tmp_path / "greedy")
+    assert t.loc["sd", "matches_baseline"] == pytest.approx(0.4)
+    assert (t.loc["sd", "tie_flips"], t.loc["sd", "mismatches"]) == (1, 2)
+    assert math.isnan(t.loc["ar", "tie_flips"]) and math.isnan(t.loc["ar", "mismatches"])
+    shown = display_table(t.reset_index()).set_index("label")
+    assert (shown.loc["sd", "tie_flips"], shown.loc["sd", "mismatches"]) == (1, 2)
+
+    sampled = [{**r, "matches_baseline": None, "divergence": None} for r in recs]
+    _write_run(tmp_path / "sampled", sampled)
+    t = _rows(tmp_path / "sampled")
+    assert math.isnan(t.loc["sd", "tie_flips"]) and math.isnan(t.loc["sd", "matches_baseline"])
+    assert "tie_flips" not in display_table(t.reset_index()).columns  # all-empty columns are dropped
