@@ -179,7 +179,8 @@ def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float) -> d
         "accept_lengths": decoded.accept_lengths,
         "drafted": decoded.drafted,
         # P(draft token i accepted | tokens before it accepted and i proposed), i = 0, 1, ...; [] without drafts.
-        "accept_by_position": metrics.acceptance_by_position(decoded.accept_lengths, decoded.drafted) if any(decoded.drafted) else [],
+        "accept_by_position": (metrics.acceptance_by_position(decoded.accept_lengths, decoded.drafted)
+                               if any(decoded.drafted) else []),
         "cost_ratio_c": c,  # the run's measured c, so a table reads it from the records (the analytic speedup)
         "peak_mem_bytes": run["peak_mem_bytes"],
         "extra": decoded.extra,

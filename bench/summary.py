@@ -23,7 +23,8 @@ from bench.results import RECORDS, clean_nan
 COLUMNS = ["label", "method", "pair", "dataset", "category", "prompts", "new_tokens", "wall_s", "ttft_s",
            "tokens_per_s", "ms_per_token", "speedup_median", "speedup_lo", "speedup_hi", "speedup_q25",
            "speedup_q75", "speedup_pooled", "mean_accepted", "alpha", "accept_by_position", "mean_drafted",
-           "cost_ratio_c", "analytic_speedup", "target_calls_per_token", "gflops_per_token", "matches_baseline", "tie_flips", "mismatches"]
+           "cost_ratio_c", "analytic_speedup", "target_calls_per_token", "gflops_per_token", "matches_baseline",
+           "tie_flips", "mismatches"]
 # What people read (printed, md, tex, HTML): speedup_median carries its interval, speedup_iqr the spread.
 DISPLAY = ["label", "pair", "dataset", "category", "prompts", "new_tokens", "tokens_per_s", "speedup_median",
            "speedup_iqr", "speedup_pooled", "mean_accepted", "alpha", "accept_by_position", "analytic_speedup",
@@ -110,8 +111,8 @@ def summary_row(g: pd.DataFrame, level: float) -> dict:
         "mean_drafted": gamma,  # tokens proposed per target call: the γ of the analytic model
         "cost_ratio_c": c,  # the run's measured draft/target one-token forward cost (median over records)
         "analytic_speedup": analytic_speedup(g["method"].iloc[0], alpha, gamma, c),
-        "target_calls_per_token": metrics.ratio(g["target_calls"].sum(), tokens),
-        "gflops_per_token": metrics.ratio(g["flops_total"].sum(), tokens) / 1e9,
+        "target_calls_per_token": metrics.ratio(g["target_calls"].sum(), tokens),  # target forwards, prefill included
+        "gflops_per_token": metrics.ratio(g["flops_total"].sum(), tokens) / 1e9,  # analytic forward FLOPs, all models
         "matches_baseline": compared.mean() if len(compared) else math.nan,  # share of greedy prompts token-identical
         "tie_flips": ties if len(compared) else math.nan,  # greedy prompts that part from the baseline at a near-tie
         # greedy prompts that part from it where the target's margin was >= ε (or, in older records, not measured)

@@ -67,7 +67,8 @@ def test_acceptance_by_position_is_pooled_over_prompts(tmp_path):
     acc = [[3, 1, 5], [2, 2, 1, 7]]
     dr = [[4, 4, 6], [4, 2, 3, 6]]
     recs = [_record("ar", "p0", "qa", 1.0), _record("ar", "p1", "qa", 1.0)]
-    recs += [_record("sd", f"p{i}", "qa", 0.5, new_tokens=1 + sum(a), accept=a, drafted=d) for i, (a, d) in enumerate(zip(acc, dr))]
+    recs += [_record("sd", f"p{i}", "qa", 0.5, new_tokens=1 + sum(a), accept=a, drafted=d)
+             for i, (a, d) in enumerate(zip(acc, dr))]
     _write_run(tmp_path / "run", recs)
     t = _rows(tmp_path / "run")
     want = metrics.acceptance_by_position(acc[0] + acc[1], dr[0] + dr[1])
