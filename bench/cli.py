@@ -39,18 +39,12 @@ def check_choices(overrides: list[str]) -> None:
                 raise BenchError(f"unknown {key} '{name}'; choose one of: {', '.join(choices(key))}.")
 
 
-def print_summary(rows: list[dict], run_dir: Path) -> None:
-    import pandas as pd
+def print_summary(run_dir: Path, baseline: str | None) -> None:
+    """The run's summary as ``python -m bench table RUN_DIR`` prints it: the same code, on the records just written."""
+    from bench import summary
 
-    df = pd.DataFrame(rows)
-    cols = ["method", "prompts", "new_tokens", "tokens_per_s", "speedup", "mean_accepted", "alpha",
-            "analytic_speedup", "target_calls_per_token", "gflops_per_token", "ttft_s", "matches_baseline",
-            # lossy methods only (bench/quality.py)
-            "token_agreement", "rougeL_vs_baseline", "exact_match", "rougeL_vs_reference", "perplexity",
-            "perplexity_baseline"]
-    df = df[[c for c in cols if c in df.columns]]
-    print()
-    print(df.to_markdown(index=False, floatfmt=".3g"))
+    print(f"\n{summary.legend()}\n")
+    print(summary.markdown(summary.run_summary(run_dir, baseline)))
     print(f"\nresults: {run_dir}")
 
 
@@ -60,11 +54,11 @@ def _hydra_run(cfg: DictConfig) -> None:
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        rows = run(cfg, run_dir)
+        run(cfg, run_dir)
     except BenchError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)  # SystemExit passes through Hydra's handler: one sentence, no traceback
-    print_summary(rows, run_dir)
+    print_summary(run_dir, cfg.get("baseline"))
 
 
 def run_main(args: list[str]) -> int:
@@ -83,6 +77,26 @@ def compose(args: list[str], hydra: bool = False) -> DictConfig:
     check_choices(args)
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=args, return_hydra_config=hydra)
+
+
+def group_option(group: str, name: str) -> DictConfig:
+    """``configs/<group>/<name>.yaml`` as Hydra composes it for ``group=name``, its own ``defaults`` list
+    included (``method/hydra_pp`` extends ``method/hydra``), e.g. the baseline's full method config.
+
+    Inside the ``@hydra.main`` app the running Hydra composes it; elsewhere (tests calling ``bench.runner.run``
+    with a composed config, scripts) Hydra is initialised on ``CONFIG_DIR`` for this one call.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if name not in choices(group):
+        raise BenchError(f"unknown {group} '{name}'; choose one of: {', '.join(choices(group))}.")
+    overrides = [f"{group}={name}"]
+    if GlobalHydra.instance().is_initialized():
+        return hydra_compose(config_name="config", overrides=overrides)[group]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides)[group]
 
 
 def train_main(args: list[str]) -> int:

@@ -8,9 +8,30 @@ from __future__ import annotations
 import math
 import statistics
 
+# Near-tie threshold ε on the target's top-1 minus top-2 logit, by the pair's dtype. On CPU, forwards of 4 or
+# more rows (verification) take the packed kernels and ar's 1-row forwards F.linear; the two sum in different
+# orders, so fp32 logits of the same position differ by ~1e-4 here, and a margin below 1e-3 can flip the greedy
+# argmax between ar and a lossless method without any bug. bf16 keeps 8 significant bits: at logits of magnitude
+# ~20 one rounding step is ~0.08, and both logits round, so 0.25; fp16 (3 bits finer) takes the same bound
+# untuned rather than a guess.
+TIE_EPS = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.25}
+
+
+def tie_eps(dtype) -> float:
+    """ε of :data:`TIE_EPS` for a torch dtype (or its name, e.g. ``"bfloat16"``); float32's for any other."""
+    return TIE_EPS.get(str(dtype).removeprefix("torch."), TIE_EPS["float32"])
+
 
 def ratio(num: float, den: float) -> float:
     return num / den if den else math.nan
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (the shorter's length when it is a prefix of the other),
+    None when they are equal: where a greedy output leaves the baseline's."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def record_metrics(new_tokens: int, wall_s: float, ttft_s: float, accept_lengths: list[int], counts: dict) -> dict:
@@ -68,6 +89,22 @@ def analytic_speedup(alpha: float, gamma: float, c: float) -> float:
     return expected_tokens / (gamma * c + 1)
 
 
+def _present(values) -> list[float]:
+    return [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+
+
 def median(values) -> float:
-    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    vals = _present(values)
     return statistics.median(vals) if vals else math.nan
+
+
+def quantile(values, q: float) -> float:
+    """The q-quantile of the values present, interpolating linearly between order statistics (numpy's
+    default, so ``quantile(v, 0.5) == median(v)``); NaN when none is."""
+    vals = sorted(_present(values))
+    if not vals:
+        return math.nan
+    pos = q * (len(vals) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(vals) - 1)
+    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)

@@ -1,7 +1,9 @@
 """Paper-style figures of saved results (``python -m bench plot``), each as PDF and PNG.
 
-Each figure function takes the loaded records (``bench.study.load``) and returns a matplotlib figure, or a
-string saying why its data is absent (the figure is then skipped, not drawn empty).
+Each figure function takes the loaded records (``bench.study.load``), the run.json provenances and the
+summary of those records (``bench.summary.summary_table``: every aggregate a figure shows comes from it), and
+returns a matplotlib figure, or a string saying why its data is absent (the figure is then skipped, not drawn
+empty).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from bench import study  # noqa: E402
+from bench import summary  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +32,20 @@ STYLE = {
 SINGLE, DOUBLE = 3.3, 6.8  # column widths in inches (two-column paper)
 
 
+def baseline_name(df: pd.DataFrame) -> str:
+    """The method(s) the loaded records are paired against, for axis labels."""
+    return ", ".join(sorted(df.loc[df["is_baseline"], "method"].unique())) or "the baseline"
+
+
 def colors(labels) -> dict:
     cmap = plt.get_cmap("tab10")
     return {lab: cmap(i % 10) for i, lab in enumerate(sorted(set(labels)))}
 
 
-def speedup_by_category(df: pd.DataFrame, runs: list[dict], baseline: str = "ar"):
+def speedup_by_category(df: pd.DataFrame, runs: list[dict], table: pd.DataFrame):
     """Spec-Bench-style grouped bars: median speedup per category and overall, one bar per method, with
     the bootstrap interval (one panel per pair × dataset)."""
-    methods = df[(df["method"] != baseline) & df["speedup"].notna()]
+    methods = df[~df["is_baseline"] & df["speedup"].notna()]
     if methods.empty:
         return "no method with a paired baseline measurement"
     combos = list(methods.groupby(["pair", "dataset"]).groups)
@@ -53,25 +60,26 @@ def speedup_by_category(df: pd.DataFrame, runs: list[dict], baseline: str = "ar"
             rows = sub[sub["label"] == lab]
             vals = [rows[rows["category"] == c]["speedup"] if c != "overall" else rows["speedup"] for c in cats]
             med = [np.nanmedian(v) if len(v) else np.nan for v in vals]
-            ci = [study.bootstrap_ci(list(v)) for v in vals]
+            ci = [summary.bootstrap_ci(list(v)) for v in vals]
             err = np.array([[m - lo for m, (lo, _) in zip(med, ci)], [hi - m for m, (_, hi) in zip(med, ci)]])
             x = np.arange(len(cats)) + (j - (len(labs) - 1) / 2) * width
             ax.bar(x, med, width, yerr=np.nan_to_num(err), capsize=1.5, label=lab, color=col[lab], error_kw={"lw": 0.6})
         ax.axhline(1.0, color="black", lw=0.6, ls="--")
         ax.set_ylim(0, ax.get_ylim()[1] * 1.2)  # head room for the legend
         ax.set_xticks(np.arange(len(cats)), cats, rotation=20, ha="right")
-        ax.set_ylabel(f"speedup over {baseline}")
+        ax.set_ylabel(f"speedup over {baseline_name(df)}")
         ax.set_title(f"{pair} · {dataset}")
         ax.legend(ncol=min(len(labs), 4), frameon=False)
     return fig
 
 
-def latency_vs_quality(df: pd.DataFrame, runs: list[dict], baseline: str = "ar"):
-    """Per quality metric: milliseconds per token (x) against mean quality (y), one point per method setting."""
-    qcols = [c for c in df.columns if c.startswith("q_") and df[c].notna().any()]
+def latency_vs_quality(df: pd.DataFrame, runs: list[dict], table: pd.DataFrame):
+    """Per quality metric: milliseconds per token (x) against the summary's quality (y), one point per method setting."""
+    # q_<metric>_baseline is the baseline's own score of q_<metric>: it does not belong at the method's latency.
+    baseline_score = {f"{c}_baseline" for c in table.columns}
+    qcols = [c for c in table.columns if c.startswith("q_") and c not in baseline_score and table[c].notna().any()]
     if not qcols:
         return "no record has a quality score"
-    table = study.summary_table(df)
     fig, axes = plt.subplots(1, len(qcols), figsize=(SINGLE * len(qcols), 2.4), squeeze=False)
     col = colors(table["label"])
     for ax, q in zip(axes[0], qcols):
@@ -84,10 +92,10 @@ def latency_vs_quality(df: pd.DataFrame, runs: list[dict], baseline: str = "ar")
     return fig
 
 
-def threshold_tradeoff(df: pd.DataFrame, runs: list[dict], baseline: str = "ar"):
+def threshold_tradeoff(df: pd.DataFrame, runs: list[dict], table: pd.DataFrame):
     """Methods with a ``threshold`` setting (SPRINTER's verifier threshold): speedup and quality against it."""
     has = df["method_cfg"].map(lambda c: isinstance(c, dict) and c.get("threshold") is not None)
-    sub = df[has & (df["method"] != baseline)].assign(threshold=lambda d: d["method_cfg"].map(lambda c: float(c["threshold"])))
+    sub = df[has & ~df["is_baseline"]].assign(threshold=lambda d: d["method_cfg"].map(lambda c: float(c["threshold"])))
     if sub.empty:
         return "no method with a threshold setting (method.threshold)"
     fig, ax = plt.subplots(figsize=(SINGLE, 2.4))
@@ -105,11 +113,11 @@ def threshold_tradeoff(df: pd.DataFrame, runs: list[dict], baseline: str = "ar")
     handles = [h for a in (ax, ax2) if a is not None for h in a.get_legend_handles_labels()[0]]
     ax.legend(handles, [h.get_label() for h in handles], frameon=False, loc="best")
     ax.set_xlabel("threshold")
-    ax.set_ylabel(f"speedup over {baseline} (median)")
+    ax.set_ylabel(f"speedup over {baseline_name(df)} (median)")
     return fig
 
 
-def accepted_histogram(df: pd.DataFrame, runs: list[dict], baseline: str = "ar"):
+def accepted_histogram(df: pd.DataFrame, runs: list[dict], table: pd.DataFrame):
     """Distribution of tokens committed per target call (after prefill), per drafting method."""
     drafting = df[df["drafted"].map(lambda d: isinstance(d, list) and any(d))] if "drafted" in df else df.iloc[:0]
     if drafting.empty:
@@ -129,22 +137,20 @@ def accepted_histogram(df: pd.DataFrame, runs: list[dict], baseline: str = "ar")
     return fig
 
 
-def measured_vs_analytic(df: pd.DataFrame, runs: list[dict], baseline: str = "ar"):
-    """Measured median speedup against Leviathan et al.'s analytic one (run.json summaries)."""
-    pts = [(r.get("speedup"), r.get("analytic_speedup"), r.get("method"))
-           for run in runs for r in (run.get("summary") or [])
-           if r.get("method") != baseline and _finite(r.get("speedup")) and _finite(r.get("analytic_speedup"))]
-    if not pts:
-        return "no run summary has both a measured and an analytic speedup"
+def measured_vs_analytic(df: pd.DataFrame, runs: list[dict], table: pd.DataFrame):
+    """Measured median speedup against the method's own analytic one (sd: Leviathan et al., Thm 3.8)."""
+    t = table[table["speedup_median"].map(_finite) & table["analytic_speedup"].map(_finite)]
+    if t.empty:
+        return "no method setting has both a measured and an analytic speedup"
     fig, ax = plt.subplots(figsize=(SINGLE, SINGLE))
-    col = colors(p[2] for p in pts)
-    for s, a, m in pts:
-        ax.scatter(a, s, color=col[m], s=14, zorder=3, label=m)
-    lim = [0, max(max(s, a) for s, a, _ in pts) * 1.1]
+    col = colors(t["label"])
+    for _, r in t.iterrows():
+        ax.scatter(r["analytic_speedup"], r["speedup_median"], color=col[r["label"]], s=14, zorder=3, label=r["label"])
+    lim = [0, max(t["speedup_median"].max(), t["analytic_speedup"].max()) * 1.1]
     ax.plot(lim, lim, color="black", lw=0.6, ls="--")
     ax.set_xlim(lim)
     ax.set_ylim(lim)
-    ax.set_xlabel("analytic speedup (Leviathan et al., Thm 3.8)")
+    ax.set_xlabel("analytic speedup (the method's model; sd: Leviathan et al., Thm 3.8)")
     ax.set_ylabel("measured speedup (median)")
     handles, labs = ax.get_legend_handles_labels()
     uniq = dict(zip(labs, handles))
@@ -152,9 +158,29 @@ def measured_vs_analytic(df: pd.DataFrame, runs: list[dict], baseline: str = "ar
     return fig
 
 
-def flops_vs_latency(df: pd.DataFrame, runs: list[dict], baseline: str = "ar"):
+def acceptance_by_position(df: pd.DataFrame, runs: list[dict], table: pd.DataFrame):
+    """P(draft token i accepted | the tokens before it accepted and i proposed), pooled over prompts: one line
+    per method setting (and pair · dataset, where several are loaded)."""
+    t = table[table["accept_by_position"].map(lambda v: isinstance(v, list) and any(_finite(x) for x in v))]
+    if t.empty:
+        return "no method drafted tokens"
+    several = t[["pair", "dataset"]].drop_duplicates().shape[0] > 1
+    fig, ax = plt.subplots(figsize=(SINGLE, 2.2))
+    col = colors(t["label"])
+    for _, r in t.iterrows():
+        y = [v if _finite(v) else np.nan for v in r["accept_by_position"]]
+        name = f"{r['label']} · {r['pair']} · {r['dataset']}" if several else r["label"]
+        ax.plot(np.arange(1, len(y) + 1), y, "o-", ms=3, color=col[r["label"]], label=name)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance")
+    ax.set_ylim(0, 1.05)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.legend(frameon=False)
+    return fig
+
+
+def flops_vs_latency(df: pd.DataFrame, runs: list[dict], table: pd.DataFrame):
     """Analytic forward FLOPs per token against measured milliseconds per token, per method setting."""
-    table = study.summary_table(df)
     t = table[table["gflops_per_token"].notna() & table["ms_per_token"].notna()]
     if t.empty:
         return "no records with FLOPs and timings"
@@ -176,6 +202,7 @@ FIGURES = {
     "accepted_histogram": accepted_histogram,
     "measured_vs_analytic": measured_vs_analytic,
     "flops_vs_latency": flops_vs_latency,
+    "acceptance_by_position": acceptance_by_position,
 }
 
 
@@ -183,14 +210,15 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def make_figures(df: pd.DataFrame, runs: list[dict], out_dir: Path, baseline: str = "ar") -> dict:
+def make_figures(df: pd.DataFrame, runs: list[dict], out_dir: Path) -> dict:
     """Draw every figure whose data is present into ``out_dir`` as ``<name>.pdf`` and ``<name>.png``.
     Returns ``{name: png path}`` for those drawn and ``{name: reason}`` in ``skipped``."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    table = summary.summary_table(df)
     drawn, skipped = {}, {}
     with plt.rc_context(STYLE):
         for name, fn in FIGURES.items():
-            fig = fn(df, runs, baseline)
+            fig = fn(df, runs, table)
             if isinstance(fig, str):
                 skipped[name] = fig
                 log.info("figure %s skipped: %s", name, fig)

@@ -5,6 +5,10 @@ a lossy one trades quality for speed, so each of its records carries ``quality``
 plain autoregressive output of the same prompt in the same run, a score against the dataset's reference
 where there is one, and the perplexity of its output under the target. Every figure is defined here,
 once; the README's metric table says the same.
+
+Any greedy record (lossless or not) whose tokens differ from the baseline's carries ``divergence``: where
+they part and how near a tie the target's own choice was there, so a kernel rounding flip is told from a
+real mismatch.
 """
 
 from __future__ import annotations
@@ -94,6 +98,29 @@ def perplexity(pair, prompt_ids: list[int], output_ids: list[int]) -> float:
         logits = pair.target.module(input_ids=x, logits_to_keep=len(output_ids) + 1).logits[0, :-1].float()
         nll = torch.nn.functional.cross_entropy(logits, torch.tensor(output_ids, device=pair.device))
     return float(torch.exp(nll))
+
+
+def top2_margin(pair, ids: list[int]) -> float:
+    """The target's top-1 minus top-2 logit for the token after ``ids`` (prompt + output so far): how near a
+    tie its greedy choice there is. One forward of the bare module: no counting wrapper, no clock."""
+    x = torch.tensor([list(ids)], device=pair.device)
+    with torch.inference_mode():
+        top = torch.topk(pair.target.module(input_ids=x, logits_to_keep=1).logits[0, -1].float(), 2).values
+    return float(top[0] - top[1])
+
+
+def divergence(pair, rec: dict, base: dict) -> dict | None:
+    """Where a greedy ``rec`` first leaves the baseline's tokens (None when it does not): ``position`` (index
+    into ``output_ids``), ``margin`` (the target's top-1 minus top-2 logit there, given the prompt and the
+    common prefix), ``tie`` (margin < ``eps``: the two kernels' rounding alone can flip that argmax) and ``eps``
+    (:func:`bench.metrics.tie_eps` of the pair's dtype). Untimed; the role counters are reset afterwards."""
+    i = metrics.first_difference(rec["output_ids"], base["output_ids"])
+    if i is None:
+        return None
+    margin = top2_margin(pair, list(rec["prompt_ids"]) + list(rec["output_ids"][:i]))
+    pair.reset_counts()
+    eps = metrics.tie_eps(pair.dtype)
+    return {"position": i, "margin": margin, "tie": margin < eps, "eps": eps}
 
 
 def record_quality(pair, rec: dict, base: dict | None) -> dict:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench import study
+from bench import study, summary
 from bench.errors import BenchError
 
 
@@ -28,7 +28,8 @@ def _args(cmd: str, argv: list[str], extra=()) -> argparse.Namespace:
     p = _Parser(prog=f"python -m bench {cmd}", description=__doc__.splitlines()[0])
     p.add_argument("results", nargs="+", help="run dirs, sweep dirs or records.jsonl files")
     p.add_argument("--out", help="output directory (default: <first RESULTS dir>/report)")
-    p.add_argument("--baseline", default="ar", help="method the speedups are paired against (default: ar)")
+    p.add_argument("--baseline", default=None,
+                   help="method the speedups are paired against (default: each run's own, from its run.json; else ar)")
     for flag, kw in extra:
         p.add_argument(flag, **kw)
     args = p.parse_args(argv)
@@ -46,10 +47,10 @@ _TABLE_FLAGS = [
 def write_table(table: pd.DataFrame, out_dir: Path, stem: str) -> dict:
     """``<stem>.csv`` (all columns, full precision), ``.md`` and ``.tex`` (the display form)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    shown = study.display_table(table)
+    shown = summary.display_table(table)
     paths = {"csv": out_dir / f"{stem}.csv", "md": out_dir / f"{stem}.md", "tex": out_dir / f"{stem}.tex"}
-    table.to_csv(paths["csv"], index=False)
-    paths["md"].write_text(shown.to_markdown(index=False, floatfmt=".3g") + "\n")
+    summary.for_csv(table).to_csv(paths["csv"], index=False)
+    paths["md"].write_text(summary.markdown(table) + "\n")
     paths["tex"].write_text(shown.to_latex(index=False, float_format=lambda x: f"{x:.3g}", na_rep="--", escape=True))
     return paths
 
@@ -59,13 +60,13 @@ def table_main(argv: list[str]) -> int:
     args = _args("table", argv, _TABLE_FLAGS)
     if not 0 < args.ci < 1:
         raise BenchError(f"--ci must be in (0, 1), got {args.ci}.")
-    df, _ = study.load(args.results)
-    tables = {"summary": study.summary_table(df, level=args.ci, baseline=args.baseline)}
+    df, _ = study.load(args.results, args.baseline)
+    tables = {"summary": summary.summary_table(df, level=args.ci)}
     if args.by_category:
-        tables["by_category"] = study.summary_table(df, by_category=True, level=args.ci, baseline=args.baseline)
+        tables["by_category"] = summary.summary_table(df, by_category=True, level=args.ci)
     for stem, table in tables.items():
-        print(f"\n{stem} ({len(df)} records; speedup: median over prompts [{args.ci:.0%} bootstrap interval])\n")
-        print(study.display_table(table).to_markdown(index=False, floatfmt=".3g"))
+        print(f"\n{stem} ({len(df)} records; {summary.legend(args.ci)})\n")
+        print(summary.markdown(table))
         write_table(table, args.out, stem)
     print(f"\ntables: {args.out}/{{{','.join(tables)}}}.{{csv,md,tex}}")
     return 0
@@ -76,8 +77,8 @@ def plot_main(argv: list[str]) -> int:
     from bench.plots import make_figures
 
     args = _args("plot", argv)
-    df, runs = study.load(args.results)
-    res = make_figures(df, runs, args.out / "figures", args.baseline)
+    df, runs = study.load(args.results, args.baseline)
+    res = make_figures(df, runs, args.out / "figures")
     for name in res["drawn"]:
         print(f"figure: {args.out / 'figures' / name}.{{pdf,png}}")
     for name, why in res["skipped"].items():
@@ -124,25 +125,26 @@ def _html_table(df: pd.DataFrame) -> str:
     return df.to_html(index=False, na_rep="–", float_format=lambda x: f"{x:.3g}", border=0, escape=True)
 
 
-def render_report(df: pd.DataFrame, runs: list[dict], out_dir: Path, baseline: str = "ar", level: float = 0.95) -> Path:
+def render_report(df: pd.DataFrame, runs: list[dict], out_dir: Path, level: float = 0.95) -> Path:
     """Write ``out_dir/report.html``: tables, figures (PNG inlined as base64) and every run's provenance."""
     from bench.plots import FIGURES, make_figures
 
-    figs = make_figures(df, runs, out_dir / "figures", baseline)
-    summary = study.summary_table(df, level=level, baseline=baseline)
-    by_cat = study.summary_table(df, by_category=True, level=level, baseline=baseline)
-    write_table(summary, out_dir, "summary")
+    figs = make_figures(df, runs, out_dir / "figures")
+    table = summary.summary_table(df, level=level)
+    by_cat = summary.summary_table(df, by_category=True, level=level)
+    write_table(table, out_dir, "summary")
     write_table(by_cat, out_dir, "by_category")
+    baselines = ", ".join(sorted(df.loc[df["is_baseline"], "method"].unique())) or "none"
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Speculative decoding benchmark report</title>",
         f"<style>{_CSS}</style></head><body>",
         "<h1>Speculative decoding benchmark report</h1>",
         f"<p class='muted'>{len(df)} records from {df['run_dir'].nunique()} run directories; generated "
-        f"{dt.datetime.now().isoformat(timespec='seconds')}. Speedup: median over prompts of the per-prompt "
-        f"ratio of {html.escape(baseline)}'s seconds per token to the method's, both decoded in the same run; "
-        f"in brackets a {level:.0%} bootstrap interval of that median.</p>",
-        "<h2>Summary</h2>", _html_table(study.display_table(summary)),
-        "<h2>By category</h2>", _html_table(study.display_table(by_cat)),
+        f"{dt.datetime.now().isoformat(timespec='seconds')}. Per-prompt speedup: the baseline's "
+        f"({html.escape(baselines)}) seconds per token over the method's, both decoded on the same prompt in the "
+        f"same run. {html.escape(summary.legend(level))}.</p>",
+        "<h2>Summary</h2>", _html_table(summary.display_table(table)),
+        "<h2>By category</h2>", _html_table(summary.display_table(by_cat)),
         "<h2>Figures</h2>",
     ]
     for name, png in figs["drawn"].items():
@@ -169,8 +171,8 @@ def render_report(df: pd.DataFrame, runs: list[dict], out_dir: Path, baseline: s
 def report_main(argv: list[str]) -> int:
     """``python -m bench report RESULTS... [--out DIR]``: one self-contained HTML page."""
     args = _args("report", argv, _TABLE_FLAGS[1:])
-    df, runs = study.load(args.results)
-    path = render_report(df, runs, args.out, args.baseline, args.ci)
+    df, runs = study.load(args.results, args.baseline)
+    path = render_report(df, runs, args.out, args.ci)
     print(f"report: {path}")
     return 0
 

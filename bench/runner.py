@@ -17,7 +17,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from bench import metrics, quality
+from bench import metrics, quality, summary
+from bench.cli import group_option
 from bench.data import encode, load_prompts
 from bench.models import Pair, load_pair
 from bench.registry import get_method
@@ -114,34 +115,36 @@ def cost_ratio(pair: Pair, prompt_ids: torch.Tensor, repeats: int = 10) -> float
 
 
 def method_cfgs(cfg: DictConfig) -> dict[str, DictConfig]:
-    """The baseline (if any) and the method under test, in that order, each with its settings."""
+    """The baseline (if any) and the method under test, in that order, each with its settings: the
+    baseline gets its own ``configs/method/<name>.yaml`` in full (e.g. ``sd``'s gamma), as ``method=<name>``
+    would, since its decode reads them like any method's."""
     cfgs = {}
     if cfg.get("baseline") and cfg.baseline != cfg.method.name:
-        cfgs[cfg.baseline] = OmegaConf.create({"name": cfg.baseline})
+        cfgs[cfg.baseline] = group_option("method", cfg.baseline)
     cfgs[cfg.method.name] = cfg.method
     return cfgs
 
 
-def drafts_needed(cfg: DictConfig) -> int:
+def drafts_needed(mcfgs: dict[str, DictConfig]) -> int:
     """How many of the pair's drafts the baseline and the method use (the rest are never loaded or trained)."""
-    return max(get_method(name).drafts for name in method_cfgs(cfg))
+    return max(get_method(name).drafts for name in mcfgs)
 
 
-def build_methods(cfg: DictConfig, pair: Pair) -> dict:
+def build_methods(cfg: DictConfig, mcfgs: dict[str, DictConfig], pair: Pair) -> dict:
     """The baseline (if any) and the method under test, set up (trained if missing) before any clock runs."""
     built = {}
-    for name, mcfg in method_cfgs(cfg).items():
+    for name, mcfg in mcfgs.items():
         built[name] = get_method(name)(mcfg, pair)
         built[name].setup(train_if_missing=cfg.train_if_missing)
     return built
 
 
-def resume_plan(cfg: DictConfig, run_dir: Path, prompts: list) -> tuple[dict, dict]:
+def resume_plan(cfg: DictConfig, mcfgs: dict[str, DictConfig], run_dir: Path, prompts: list) -> tuple[dict, dict]:
     """``keys[prompt_id][method]``: the run key of every decode this run makes; ``done[prompt_id]``: with
     ``resume`` set, the records of prompts whose every method already has a complete record in ``run_dir``
     (a prompt missing any of them is decoded again by all, so speedups stay paired within one process)."""
-    mcfgs = {name: OmegaConf.to_container(m, resolve=True) for name, m in method_cfgs(cfg).items()}
-    keys = {p.prompt_id: {name: run_key(mc, cfg, p.prompt_id) for name, mc in mcfgs.items()} for p in prompts}
+    settings = {name: OmegaConf.to_container(m, resolve=True) for name, m in mcfgs.items()}
+    keys = {p.prompt_id: {name: run_key(mc, cfg, p.prompt_id) for name, mc in settings.items()} for p in prompts}
     done = {}
     if cfg.get("resume"):
         prev = previous_records(run_dir)
@@ -158,7 +161,8 @@ def previous_provenance(run_dir: Path) -> dict | None:
         return None
 
 
-def make_record(cfg, pair, method, prompt, prompt_ids, run: dict) -> dict:
+def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float) -> dict:
+    """One prompt's record from one timed decode (``c``: the run's measured draft/target cost ratio)."""
     decoded = run["decoded"]
     new = len(decoded.output_ids)
     rec = {
@@ -180,39 +184,15 @@ def make_record(cfg, pair, method, prompt, prompt_ids, run: dict) -> dict:
         "new_tokens": new,
         "accept_lengths": decoded.accept_lengths,
         "drafted": decoded.drafted,
+        # P(draft token i accepted | tokens before it accepted and i proposed), i = 0, 1, ...; [] without drafts.
+        "accept_by_position": (metrics.acceptance_by_position(decoded.accept_lengths, decoded.drafted)
+                               if any(decoded.drafted) else []),
+        "cost_ratio_c": c,  # the run's measured c, so a table reads it from the records (the analytic speedup)
         "peak_mem_bytes": run["peak_mem_bytes"],
         "extra": decoded.extra,
     }
     rec.update(metrics.record_metrics(new, run["wall_s"], run["ttft_s"], decoded.accept_lengths, run["counts"]))
     return rec
-
-
-def summarize(records: list[dict], baseline: str | None, c: float) -> list[dict]:
-    """One row per method: medians over prompts, paired speedups, α and the analytic speedup."""
-    rows = []
-    for name in dict.fromkeys(r["method"] for r in records):
-        rs = [r for r in records if r["method"] == name]
-        acc = [a for r in rs for a in r["accept_lengths"]]
-        dr = [d for r in rs for d in r["drafted"]]
-        alpha = metrics.alpha_estimate(acc, dr)
-        gamma = metrics.ratio(sum(dr), len(dr))
-        rows.append({
-            "method": name,
-            "prompts": len(rs),
-            "new_tokens": sum(r["new_tokens"] for r in rs),
-            "wall_s": metrics.median(r["wall_s"] for r in rs),
-            "ttft_s": metrics.median(r["ttft_s"] for r in rs),
-            "tokens_per_s": metrics.median(r["tokens_per_s"] for r in rs),
-            "speedup": metrics.median(r.get("speedup") for r in rs) if name != baseline else 1.0,
-            "mean_accepted": metrics.ratio(sum(acc), len(acc)),
-            "alpha": alpha if any(dr) else float("nan"),
-            "analytic_speedup": metrics.analytic_speedup(alpha, gamma, c) if any(dr) else float("nan"),
-            "target_calls_per_token": metrics.ratio(sum(r["target_calls"] for r in rs), sum(r["new_tokens"] for r in rs)),
-            "gflops_per_token": metrics.ratio(sum(r["flops"]["total"] for r in rs), sum(r["new_tokens"] for r in rs)) / 1e9,
-            "matches_baseline": (all(r.get("matches_baseline") for r in rs) if name != baseline and rs[0].get("matches_baseline") is not None else None),
-            **quality.summarize_quality(rs),  # lossy methods only: agreement with AR, reference scores, perplexity
-        })
-    return rows
 
 
 def paired_speedup(base: dict, rec: dict) -> float:
@@ -227,7 +207,8 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
     torch.manual_seed(cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(cfg.dataset, cfg.seed)
-    keys, done = resume_plan(cfg, run_dir, prompts)
+    mcfgs = method_cfgs(cfg)
+    keys, done = resume_plan(cfg, mcfgs, run_dir, prompts)
     # Prompt i keeps its index (its seed and its order of methods) whether or not earlier ones were kept.
     todo = [(i, p) for i, p in enumerate(prompts) if p.prompt_id not in done]
     carried = [r for p in prompts for r in done.get(p.prompt_id, [])]
@@ -236,8 +217,8 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
 
     methods_, encoded, tensors = {}, [], []
     if todo:
-        pair = load_pair(cfg, train_if_missing=cfg.train_if_missing, n_drafts=drafts_needed(cfg))
-        methods_ = build_methods(cfg, pair)
+        pair = load_pair(cfg, train_if_missing=cfg.train_if_missing, n_drafts=drafts_needed(mcfgs))
+        methods_ = build_methods(cfg, mcfgs, pair)
         sampling = Sampling(float(cfg.temperature), float(cfg.top_p))
         encoded = [encode(p, pair.tokenizer, cfg.dataset.get("template")) for _, p in todo]
         tensors = [torch.tensor([ids], device=pair.device) for ids in encoded]
@@ -263,7 +244,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
             per_prompt = {}
             for m in order if i % 2 == 0 else order[::-1]:
                 res = timed_decode(m, pair, x, cfg.max_new_tokens, sampling, cfg.seed + i)
-                per_prompt[m.name] = make_record(cfg, pair, m, prompt, ids, res)
+                per_prompt[m.name] = make_record(cfg, pair, m, prompt, ids, res, prov["cost_ratio_c"])
                 per_prompt[m.name]["run_key"] = keys[prompt.prompt_id][m.name]
             base = per_prompt.get(cfg.get("baseline"))
             for name, rec in per_prompt.items():
@@ -271,6 +252,9 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
                     rec["speedup"] = 1.0 if rec is base else paired_speedup(base, rec)
                     # Token-for-token equality with the baseline: greedy runs only (sampled outputs match by chance).
                     rec["matches_baseline"] = rec["output_ids"] == base["output_ids"] if sampling.greedy else None
+                # A greedy output that leaves the baseline's: where, and whether the target's choice there was a
+                # near-tie (a kernel rounding flip) or a real mismatch. Untimed, and its forward is not counted.
+                rec["divergence"] = quality.divergence(pair, rec, base) if rec.get("matches_baseline") is False else None
                 if not rec["lossless"]:
                     # Lossy output is scored against AR and the reference; untimed, and its one target
                     # forward is not counted (the counters are reset before the next timed decode).
@@ -283,6 +267,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
         prov["status"] = "complete" if ok else "failed"
         prov["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         if ok:
-            prov["summary"] = summarize(records, cfg.get("baseline"), prov["cost_ratio_c"])
+            # From the records just published, read back as `python -m bench table` reads them: one summary.
+            prov["summary"] = summary.as_rows(summary.run_summary(run_dir, cfg.get("baseline")))
         write_json_atomic(run_dir / "run.json", prov)
     return prov["summary"]

@@ -93,4 +93,40 @@ def test_lossy_records_carry_quality(compose_cfg, tmp_path):
     math_recs = [r for r in spr if r["category"] == "math_reasoning"]
     assert math_recs and all(r["quality"]["reference_metric"] == "exact_match" for r in math_recs)
     rows = {row["method"]: row for row in summary}
-    assert "token_agreement" in rows["sprinter"] and "token_agreement" not in rows["ar"]
+    assert rows["sprinter"]["q_token_agreement"] is not None and rows["ar"].get("q_token_agreement") is None
+
+
+def test_top2_margin_and_divergence_on_the_tiny_pair(tiny_pair):
+    """The margin is the target's top-1 minus top-2 logit after prompt + common prefix, as a step-by-step
+    decode with a KV cache sees it (to the kernels' ~1e-4); nothing is counted; the first difference and the
+    dtype's ε are recorded."""
+    from transformers import DynamicCache
+
+    prompt, prefix = [5, 6, 7, 8], [9, 10, 11]
+    cache = DynamicCache()
+    with torch.inference_mode():
+        logits = tiny_pair.target.module(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[0, -1]
+        for tok in prefix:
+            logits = tiny_pair.target.module(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True).logits[0, -1]
+    top = torch.topk(logits.float(), 2).values
+    tiny_pair.reset_counts()
+    margin = quality.top2_margin(tiny_pair, prompt + prefix)
+    assert margin == pytest.approx(float(top[0] - top[1]), abs=1e-3) and margin >= 0
+    assert tiny_pair.target.calls == 0
+
+    base = {"prompt_ids": prompt, "output_ids": prefix + [12, 13]}
+    rec = {"prompt_ids": prompt, "output_ids": prefix + [14, 13]}
+    div = quality.divergence(tiny_pair, rec, base)
+    assert div == {"position": 3, "margin": pytest.approx(margin), "tie": margin < 1e-3, "eps": 1e-3}
+    assert quality.divergence(tiny_pair, base, dict(base)) is None
+    assert tiny_pair.target.calls == 0
+
+
+def test_tie_eps_and_first_difference():
+    from bench import metrics
+
+    assert metrics.tie_eps(torch.float32) == 1e-3 and metrics.tie_eps(torch.bfloat16) == 0.25
+    assert metrics.tie_eps("float16") == 0.25 and metrics.tie_eps(torch.float64) == 1e-3
+    assert metrics.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert metrics.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert metrics.first_difference([1, 2], [1, 2, 3]) == 2  # a prefix: they part where the shorter ends

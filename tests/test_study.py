@@ -265,7 +265,8 @@ def _record(method, prompt_id, category, wall_s, new_tokens=10, accept=None, dra
         "new_tokens": new_tokens, "wall_s": wall_s, "ttft_s": wall_s / 10, "tokens_per_s": new_tokens / wall_s,
         "accept_lengths": accept, "drafted": drafted or [0] * len(accept), "target_calls": len(accept) + 1,
         "draft_calls": sum(1 for d in (drafted or []) if d), "flops": {"target": 1e9 * (len(accept) + 1), "total": 2e9 * (len(accept) + 1)},
-        "output_ids": [1] * new_tokens, "lossless": quality is None, **({"quality": quality} if quality else {}),
+        "output_ids": [1] * new_tokens, "lossless": quality is None, "cost_ratio_c": 0.1,
+        **({"quality": quality} if quality else {}),
     }
 
 
@@ -293,42 +294,43 @@ def synthetic(tmp_path):
     for name, thr, q in (("b", 0.5, 0.8), ("c", 0.9, 0.6)):
         recs = []
         for i in range(4):
-            recs.append(_record("ar", f"p{i}", "qa", 10.0, quality={"rouge_l": 1.0}))
+            recs.append(_record("ar", f"p{i}", "qa", 10.0, quality={"rougeL_vs_baseline": 1.0}))
             recs.append(_record("sprinter", f"p{i}", "qa", 10.0 / (1 + thr), accept=[2, 2, 2, 2], drafted=[3, 3, 3, 3],
-                                quality={"rouge_l": q}, threshold=thr))
+                                quality={"rougeL_vs_baseline": q}, threshold=thr))
         _write_run(root / name, recs)
     return root
 
 
 def test_table_paired_speedups_ci_and_files(synthetic, tmp_path, capsys):
     from bench.report_cli import table_main
-    from bench.study import load, summary_table
+    from bench.study import load
+    from bench.summary import summary_table
 
     df, runs = load([str(synthetic)])
     t = summary_table(df).set_index("label")
     assert list(t.index)[0].startswith("ar")
     sd = t.loc["sd"]
-    assert sd["speedup"] == pytest.approx(3.0)  # paired within run a only
+    assert sd["speedup_median"] == pytest.approx(3.0)  # paired within run a only
     assert 2.0 <= sd["speedup_lo"] <= 3.0 <= sd["speedup_hi"] <= 4.0
     assert sd["mean_accepted"] == pytest.approx(10 / 3) and sd["target_calls_per_token"] == pytest.approx(0.4)
     assert sd["gflops_per_token"] == pytest.approx(0.8) and sd["prompts"] == 6
     thr = {lab: row for lab, row in t.iterrows() if lab.startswith("sprinter")}
     assert set(thr) == {"sprinter (threshold=0.5)", "sprinter (threshold=0.9)"}
-    assert thr["sprinter (threshold=0.5)"]["speedup"] == pytest.approx(1.5)
-    assert thr["sprinter (threshold=0.9)"]["q_rouge_l"] == pytest.approx(0.6)
-    assert pd.isna(sd["q_rouge_l"])
+    assert thr["sprinter (threshold=0.5)"]["speedup_median"] == pytest.approx(1.5)
+    assert thr["sprinter (threshold=0.9)"]["q_rougeL_vs_baseline"] == pytest.approx(0.6)
+    assert pd.isna(sd["q_rougeL_vs_baseline"])
     by_cat = summary_table(df, by_category=True)
-    sd_cat = by_cat[by_cat["label"] == "sd"].set_index("category")["speedup"]
+    sd_cat = by_cat[by_cat["label"] == "sd"].set_index("category")["speedup_median"]
     assert sd_cat.to_dict() == {"qa": pytest.approx(2.0), "rag": pytest.approx(4.0)}
 
     out = tmp_path / "tables"
     assert table_main([str(synthetic), "--by-category", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "3.00 [" in printed and "sprinter (threshold=0.9)" in printed and "rouge_l" in printed
+    assert "3.00 [" in printed and "sprinter (threshold=0.9)" in printed and "rougeL_vs_baseline" in printed
     for stem in ("summary", "by_category"):
         for ext in ("csv", "md", "tex"):
             assert (out / f"{stem}.{ext}").stat().st_size > 0
-    assert pd.read_csv(out / "summary.csv").set_index("label").loc["sd", "speedup"] == pytest.approx(3.0)
+    assert pd.read_csv(out / "summary.csv").set_index("label").loc["sd", "speedup_median"] == pytest.approx(3.0)
     assert "\\begin{tabular}" in (out / "summary.tex").read_text()
     # A records file named directly works too.
     assert table_main([str(synthetic / "a" / "records.jsonl"), "--out", str(out)]) == 0
@@ -347,7 +349,7 @@ def test_plot_draws_present_figures_and_skips_absent(synthetic, tmp_path, capsys
     out = tmp_path / "plots"
     assert plot_main([str(synthetic), "--out", str(out)]) == 0
     names = ["speedup_by_category", "latency_vs_quality", "threshold_tradeoff", "accepted_histogram",
-             "measured_vs_analytic", "flops_vs_latency"]
+             "measured_vs_analytic", "flops_vs_latency", "acceptance_by_position"]
     for name in names:
         for ext in ("pdf", "png"):
             assert (out / "figures" / f"{name}.{ext}").stat().st_size > 1000, name
@@ -370,7 +372,7 @@ def test_report_is_one_self_contained_page(synthetic, tmp_path):
     assert report_main([str(synthetic), "--out", str(tmp_path / "rep")]) == 0
     page = (tmp_path / "rep" / "report.html").read_text()
     assert page.count("<table") == 3  # summary, by category, provenance
-    assert page.count("data:image/png;base64,") == 6
+    assert page.count("data:image/png;base64,") == 7
     assert "src='http" not in page and 'src="http' not in page and "<link" not in page  # nothing external
     assert "0123456789" in page and "Test CPU" in page  # provenance
 
@@ -387,4 +389,4 @@ def test_report_renders_in_headless_chromium(synthetic, tmp_path):
     assert dom.count("<table") == 3, res.stderr[-2000:]
     assert "sprinter (threshold=0.9)" in dom and "speedup_by_category" in dom
     # The page's script counts images the browser actually decoded (naturalWidth > 0).
-    assert 'data-images-loaded="6"' in dom, res.stderr[-2000:]
+    assert 'data-images-loaded="7"' in dom, res.stderr[-2000:]

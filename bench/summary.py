@@ -1,0 +1,196 @@
+"""The one summary of saved records: ``python -m bench run`` prints it and stores it in run.json's
+``summary``, ``python -m bench table`` writes it (csv, md, tex), and the figures and the HTML report read it.
+
+Input: the DataFrame of :func:`bench.study.load` (one row per record, each paired with its run's baseline
+record of the same prompt). Output: one row per label × pair × dataset (× category); every column is
+defined on the line that computes it, and the README's metric table says the same.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from bench import metrics, quality, study
+from bench.errors import BenchError
+from bench.results import RECORDS, clean_nan
+
+# Columns of the summary table, in order (quality columns q_<name> follow; csv files hold them all).
+COLUMNS = ["label", "method", "pair", "dataset", "category", "prompts", "new_tokens", "wall_s", "ttft_s",
+           "tokens_per_s", "ms_per_token", "speedup_median", "speedup_lo", "speedup_hi", "speedup_q25",
+           "speedup_q75", "speedup_pooled", "mean_accepted", "alpha", "accept_by_position", "mean_drafted",
+           "cost_ratio_c", "analytic_speedup", "target_calls_per_token", "gflops_per_token", "matches_baseline",
+           "tie_flips", "mismatches"]
+# What people read (printed, md, tex, HTML): speedup_median carries its interval, speedup_iqr the spread.
+DISPLAY = ["label", "pair", "dataset", "category", "prompts", "new_tokens", "tokens_per_s", "speedup_median",
+           "speedup_iqr", "speedup_pooled", "mean_accepted", "alpha", "accept_by_position", "analytic_speedup",
+           "target_calls_per_token", "gflops_per_token", "ttft_s", "matches_baseline", "tie_flips", "mismatches"]
+DISPLAY_QUALITY = ["token_agreement", "rougeL_vs_baseline", "exact_match", "rougeL_vs_reference", "perplexity",
+                   "perplexity_baseline"]
+SHOWN_POSITIONS = 5  # acceptance by position: the first few in the display form, all of them in csv
+
+
+def bootstrap_ci(values, level: float = 0.95, n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap confidence interval of the median over prompts (resampling prompts)."""
+    x = np.asarray([v for v in values if v is not None and not math.isnan(v)], dtype=float)
+    if x.size == 0:
+        return math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    medians = np.median(x[rng.integers(0, x.size, size=(n, x.size))], axis=1)
+    tail = (1 - level) / 2 * 100
+    return float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
+
+
+def _list(x) -> list:
+    return x if isinstance(x, list) else []  # a record without the field reads back as NaN
+
+
+def steps(g: pd.DataFrame) -> tuple[list[int], list[int]]:
+    """``(accept_lengths, drafted)`` of every target call after the prefill, pooled over the records of
+    ``g`` whose two lists line up (one entry per call)."""
+    acc, dr = [], []
+    for a, d in zip(g["accept_lengths"], g["drafted"] if "drafted" in g else [None] * len(g)):
+        if len(_list(a)) == len(_list(d)):
+            acc += _list(a)
+            dr += _list(d)
+    return acc, dr
+
+
+def near_tie(divergence) -> bool:
+    """Whether a record's ``divergence`` (bench.quality.divergence) says its first difference was a near-tie."""
+    return isinstance(divergence, dict) and bool(divergence.get("tie"))
+
+
+def analytic_speedup(method: str, alpha: float, gamma: float, c: float) -> float:
+    """The method's own analytic speedup model (``Method.analytic_speedup``: Leviathan et al.'s for ``sd``),
+    NaN for a method that states none or a name no longer registered."""
+    from bench.registry import get_method
+
+    try:
+        return float(get_method(method).analytic_speedup(alpha, gamma, c))
+    except BenchError:
+        return math.nan
+
+
+def summary_row(g: pd.DataFrame, level: float) -> dict:
+    """The aggregates of one group of records (one method setting on one pair and dataset)."""
+    acc, dr = steps(g)
+    drafting = any(dr)
+    tokens = g["new_tokens"].sum()
+    paired = g[g["speedup"].notna()]  # records with their run's baseline record of the same prompt
+    lo, hi = bootstrap_ci(g["speedup"], level)
+    alpha = metrics.alpha_estimate(acc, dr) if drafting else math.nan
+    gamma = metrics.ratio(sum(dr), len(dr)) if drafting else math.nan
+    c = metrics.median(g["cost_ratio_c"]) if "cost_ratio_c" in g else math.nan
+    compared = g["matches_baseline"].dropna().astype(float) if "matches_baseline" in g else pd.Series(dtype=float)
+    differing = compared.index[compared == 0]  # greedy records whose tokens are not the baseline's
+    ties = int(sum(near_tie(d) for d in g["divergence"].loc[differing])) if "divergence" in g else 0
+    row = {
+        "method": g["method"].iloc[0],
+        "prompts": len(g),
+        "new_tokens": int(tokens),
+        "wall_s": metrics.median(g["wall_s"]),  # median over prompts of seconds from prefill to last token
+        "ttft_s": metrics.median(g["ttft_s"]),  # median over prompts of the time to the first token
+        "tokens_per_s": metrics.median(g["tokens_per_s"]),  # median over prompts of new tokens / wall time
+        "ms_per_token": metrics.median(g["ms_per_token"]),  # median over prompts of wall time / new tokens
+        "speedup_median": metrics.median(g["speedup"]),  # median over prompts of the paired per-prompt speedup
+        "speedup_lo": lo,  # percentile bootstrap interval of that median (prompts resampled)
+        "speedup_hi": hi,
+        "speedup_q25": metrics.quantile(g["speedup"], 0.25),  # spread of the per-prompt speedups across prompts
+        "speedup_q75": metrics.quantile(g["speedup"], 0.75),
+        # Spec-Bench's figure: tokens per second over all paired prompts pooled, over the baseline's on the same prompts.
+        "speedup_pooled": metrics.ratio(metrics.ratio(paired["new_tokens"].sum(), paired["wall_s"].sum()),
+                                        metrics.ratio(paired["base_new_tokens"].sum(), paired["base_wall_s"].sum())),
+        "mean_accepted": metrics.ratio(sum(acc), len(acc)),  # tokens committed per target call after prefill
+        "alpha": alpha,  # per-token acceptance, MLE under Leviathan et al.'s i.i.d. model
+        "accept_by_position": metrics.acceptance_by_position(acc, dr),  # P(draft token i kept | 0..i-1 kept)
+        "mean_drafted": gamma,  # tokens proposed per target call: the γ of the analytic model
+        "cost_ratio_c": c,  # the run's measured draft/target one-token forward cost (median over records)
+        "analytic_speedup": analytic_speedup(g["method"].iloc[0], alpha, gamma, c),
+        "target_calls_per_token": metrics.ratio(g["target_calls"].sum(), tokens),  # target forwards, prefill included
+        "gflops_per_token": metrics.ratio(g["flops_total"].sum(), tokens) / 1e9,  # analytic forward FLOPs, all models
+        "matches_baseline": compared.mean() if len(compared) else math.nan,  # share of greedy prompts token-identical
+        "tie_flips": ties if len(compared) else math.nan,  # greedy prompts that part from the baseline at a near-tie
+        # greedy prompts that part from it where the target's margin was >= ε (or, in older records, not measured)
+        "mismatches": int((compared == 0).sum()) - ties if len(compared) else math.nan,
+    }
+    qs = [q for q in g["quality"] if isinstance(q, dict)] if "quality" in g else []
+    row.update({f"q_{k}": v for k, v in quality.summarize_quality([{"quality": q} for q in qs]).items()})
+    return row
+
+
+def summary_table(df: pd.DataFrame, by_category: bool = False, level: float = 0.95) -> pd.DataFrame:
+    """One row per label × pair × dataset (× category): the aggregates of :func:`summary_row`. Rows of a
+    run's baseline come first and carry no comparison with themselves."""
+    keys = ["label", "pair", "dataset"] + (["category"] if by_category else [])
+    groups = list(df.groupby(keys, sort=False, dropna=False))
+    rows = [{**dict(zip(keys, k)), **summary_row(g, level)} for k, g in groups]
+    is_base = [bool(g["is_baseline"].all()) for _, g in groups]
+    out = pd.DataFrame(rows)
+    out.loc[is_base, [c for c in ("matches_baseline", "tie_flips", "mismatches") if c in out]] = math.nan
+    qcols = sorted(c for c in out.columns if c.startswith("q_"))
+    out = out[[c for c in COLUMNS if c in out.columns] + qcols]
+    # The baseline first, then methods in name order; rows of one method keep their settings' order.
+    order = sorted(range(len(out)), key=lambda i: (not is_base[i], out["method"].iloc[i], str(out["label"].iloc[i])))
+    return out.iloc[order].reset_index(drop=True)
+
+
+def run_summary(run_dir: Path, baseline: str | None = None, level: float = 0.95) -> pd.DataFrame:
+    """The summary of one run directory's ``records.jsonl``, read back as ``python -m bench table`` reads it."""
+    df, _ = study.load([str(Path(run_dir) / RECORDS)], baseline)
+    return summary_table(df, level=level)
+
+
+def as_rows(table: pd.DataFrame) -> list[dict]:
+    """The table as JSON-able dicts (run.json's ``summary``): NaN as None, numpy scalars as Python's."""
+    return clean_nan([{k: (v.item() if isinstance(v, np.generic) else v) for k, v in row.items()}
+                      for row in table.to_dict(orient="records")])
+
+
+def for_csv(table: pd.DataFrame) -> pd.DataFrame:
+    """The table with list cells (``accept_by_position``) as JSON text, NaN entries as null."""
+    return table.assign(**{c: table[c].map(lambda v: json.dumps(clean_nan(v)) if isinstance(v, list) else v)
+                           for c in table.columns if table[c].map(lambda v: isinstance(v, list)).any()})
+
+
+def _fmt(x: float, spec: str = ".2f") -> str:
+    return "–" if x is None or math.isnan(x) else format(x, spec)
+
+
+def short_positions(values) -> str | None:
+    """``[0.41, 0.22, 0.10, 0.05, 0.02, 0.01]`` → ``"0.41 0.22 0.10 0.05 0.02 …"``; None when nothing was drafted."""
+    values = _list(values)
+    if not values:
+        return None
+    return " ".join(_fmt(v) for v in values[:SHOWN_POSITIONS]) + (" …" if len(values) > SHOWN_POSITIONS else "")
+
+
+def display_table(table: pd.DataFrame) -> pd.DataFrame:
+    """The table for people: the median speedup with its interval in one cell, the interquartile range of
+    per-prompt speedups in another, the first acceptance positions, no all-empty columns."""
+    t = table.copy()
+    t["speedup_median"] = [None if math.isnan(s) else f"{s:.2f} [{lo:.2f}, {hi:.2f}]"
+                           for s, lo, hi in zip(t["speedup_median"], t["speedup_lo"], t["speedup_hi"])]
+    t["speedup_iqr"] = [None if math.isnan(a) else f"{a:.2f}–{b:.2f}" for a, b in zip(t["speedup_q25"], t["speedup_q75"])]
+    t["accept_by_position"] = t["accept_by_position"].map(short_positions)
+    t = t.rename(columns={c: c[2:] for c in t.columns if c.startswith("q_")})
+    t = t[[c for c in DISPLAY + DISPLAY_QUALITY if c in t.columns]].dropna(axis=1, how="all")
+    return t.astype(object).where(t.notna(), None)  # None: an empty cell (or "–"), not "nan", in every format
+
+
+def legend(level: float = 0.95) -> str:
+    """What the speedup and tie columns mean, in one line (with every printed table and in the report)."""
+    eps = ", ".join(f"{v:g} in {k}" for k, v in metrics.TIE_EPS.items())
+    return (f"speedup_median: median over prompts of the per-prompt paired speedup [{level:.0%} bootstrap interval]; "
+            "speedup_iqr: its 25th-75th percentiles across prompts; speedup_pooled: total tokens / total seconds "
+            "over the same prompts, over the baseline's; tie_flips: greedy prompts that part from the baseline where "
+            f"the target's top-1 - top-2 logit < ε ({eps}), mismatches: the other greedy prompts that part from it")
+
+
+def markdown(table: pd.DataFrame) -> str:
+    """The display form as a markdown table: what ``run`` and ``table`` print."""
+    return display_table(table).to_markdown(index=False, floatfmt=".3g")

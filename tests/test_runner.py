@@ -1,0 +1,66 @@
+"""The runner on the tiny pair: the baseline's own config, and what each record carries."""
+
+import json
+
+from bench.results import read_records
+
+
+def test_baseline_gets_its_own_full_method_config(compose_cfg, tmp_path):
+    """``baseline=sd method=pld``: the baseline is built from configs/method/sd.yaml (gamma and all), not
+    from its name alone, and the method's speedups are paired against it."""
+    from bench.runner import run
+
+    cfg = compose_cfg("pair=tiny", "method=pld", "baseline=sd", "max_new_tokens=8", "dataset.n_prompts=2", "warmup=0")
+    run(cfg, tmp_path)
+    records = read_records(tmp_path / "records.jsonl")
+    assert sorted(r["method"] for r in records) == ["pld", "pld", "sd", "sd"]
+    sd = [r for r in records if r["method"] == "sd"]
+    assert all(r["method_cfg"]["gamma"] == 4 and "confidence" in r["method_cfg"] for r in sd)
+    assert all(r["draft_calls"] > 0 for r in sd)  # the baseline really drafted
+    assert all(r["matches_baseline"] for r in records if r["method"] == "pld")  # both lossless, greedy
+
+
+def test_baseline_config_keeps_its_defaults_list():
+    """hydra_pp.yaml extends hydra.yaml through a defaults list: composing it, not loading the file, gets both."""
+    from bench.cli import group_option
+
+    hpp = group_option("method", "hydra_pp")
+    assert hpp.name == "hydra_pp" and hpp.recipe.loss == "teacher" and hpp.recipe.prefix_layer
+    assert len(hpp.tree) == 19 and hpp.recipe.num_heads == 4  # from hydra.yaml
+    assert json.loads(json.dumps(dict(group_option("method", "ar")))) == {"name": "ar"}
+
+
+def test_lossy_mismatches_carry_their_divergence(compose_cfg, tmp_path):
+    """sprinter with threshold 0 lets every drafted token through unchecked: its greedy outputs leave ar's.
+    Each such record says where (the first differing index), with the target's finite top-1 − top-2 margin
+    there and the fp32 ε; records equal to ar's (and ar's own) carry divergence null; the summary counts
+    tie flips and mismatches apart."""
+    import math
+
+    from bench.runner import run
+    from tests.test_sprinter import TINY_RECIPE
+
+    overrides = [f"method.verifier.{k}={v}" for k, v in TINY_RECIPE.items()]
+    cfg = compose_cfg("pair=tiny", "method=sprinter", "method.threshold=0", "max_new_tokens=12", "dataset.n_prompts=4",
+                      "warmup=0", "method.max_run=4", *overrides)
+    rows = {r["method"]: r for r in run(cfg, tmp_path)}
+    records = read_records(tmp_path / "records.jsonl")
+    ar = {r["prompt_id"]: r for r in records if r["method"] == "ar"}
+    spr = [r for r in records if r["method"] == "sprinter"]
+    assert all(r["divergence"] is None for r in ar.values())
+    differing = [r for r in spr if not r["matches_baseline"]]
+    assert differing, "threshold 0 should make sprinter leave ar's tokens on the tiny pair"
+    for r in spr:
+        base = ar[r["prompt_id"]]["output_ids"]
+        if r["matches_baseline"]:
+            assert r["divergence"] is None
+            continue
+        d = r["divergence"]
+        i = d["position"]
+        assert r["output_ids"][:i] == base[:i] and (i == min(len(base), len(r["output_ids"])) or r["output_ids"][i] != base[i])
+        assert math.isfinite(d["margin"]) and d["margin"] >= 0 and d["eps"] == 1e-3 and d["tie"] == (d["margin"] < 1e-3)
+        assert r["target_calls"] == 1 + len(r["accept_lengths"])  # the margin's forward is not counted
+    ties = sum(r["divergence"]["tie"] for r in differing)
+    assert rows["sprinter"]["tie_flips"] == ties and rows["sprinter"]["mismatches"] == len(differing) - ties
+    assert rows["sprinter"]["matches_baseline"] == 1 - len(differing) / len(spr)
+    assert rows["ar"]["tie_flips"] is None and rows["ar"]["mismatches"] is None
