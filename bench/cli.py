@@ -100,10 +100,12 @@ def group_option(group: str, name: str) -> DictConfig:
 
 
 def train_main(args: list[str]) -> int:
-    """``train draft|heads|verifier [overrides]``: build and cache a trained part now (``run`` would too)."""
-    what = ["draft", "heads", "verifier"]
+    """``train draft|method [overrides]``: build and cache now what ``run`` would build first: the pair's
+    distilled drafts, or everything ``method=<name>`` uses (its drafts, heads, verifier, tables)."""
+    what = ["draft", "method"]
     if not args or args[0] not in what:
-        raise BenchError(f"say what to train: one of {', '.join(what)} (e.g. 'python -m bench train draft pair=smollm2').")
+        raise BenchError(f"say what to train: one of {', '.join(what)} (e.g. 'python -m bench train draft pair=smollm2' "
+                         "or 'python -m bench train method method=medusa').")
     cfg = compose(args[1:])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from bench.models import load_pair
@@ -112,8 +114,8 @@ def train_main(args: list[str]) -> int:
     validate(cfg)
     from bench.registry import get_method
 
-    # ``train draft`` loads (and so distils) every draft of the pair; ``train heads|verifier`` only the drafts
-    # that method uses. load_pair honours threads= as run does: training shares the machine too.
+    # ``train draft`` loads (and so distils) every draft of the pair; ``train method`` only the drafts that
+    # method uses. load_pair honours threads= as run does: training shares the machine too.
     pair = load_pair(cfg, train_if_missing=True, n_drafts=None if args[0] == "draft" else get_method(cfg.method.name).drafts)
     if args[0] == "draft":
         from decoding.distill import draft_report

@@ -92,28 +92,38 @@ def latency_vs_quality(df: pd.DataFrame, runs: list[dict], table: pd.DataFrame):
     return fig
 
 
-def threshold_tradeoff(df: pd.DataFrame, runs: list[dict], table: pd.DataFrame):
-    """Methods with a ``threshold`` setting (SPRINTER's verifier threshold): speedup and quality against it."""
-    has = df["method_cfg"].map(lambda c: isinstance(c, dict) and c.get("threshold") is not None)
-    sub = df[has & ~df["is_baseline"]].assign(threshold=lambda d: d["method_cfg"].map(lambda c: float(c["threshold"])))
-    if sub.empty:
-        return "no method with a threshold setting (method.threshold)"
-    fig, ax = plt.subplots(figsize=(SINGLE, 2.4))
-    qcols = [c for c in sub.columns if c.startswith("q_") and sub[c].notna().any()]
-    ax2 = ax.twinx() if qcols else None  # quality on its own axis, right
-    for method, g in sub.groupby("method"):
-        pts = g.groupby("threshold").agg(speedup=("speedup", "median"), **({"quality": (qcols[0], "mean")} if qcols else {}))
-        ax.plot(pts.index, pts["speedup"], "o-", ms=3, label=f"{method}: speedup")
-        if ax2 is not None:
-            ax2.plot(pts.index, pts["quality"], "s--", ms=3, color="tab:red", label=f"{method}: {qcols[0][2:]} (right)")
-    if ax2 is not None:
-        ax2.set_ylabel(qcols[0][2:], color="tab:red")
-        ax2.spines["right"].set_visible(True)
-        ax2.grid(False)
-    handles = [h for a in (ax, ax2) if a is not None for h in a.get_legend_handles_labels()[0]]
-    ax.legend(handles, [h.get_label() for h in handles], frameon=False, loc="best")
-    ax.set_xlabel("threshold")
-    ax.set_ylabel(f"speedup over {baseline_name(df)} (median)")
+def swept_setting(cfgs) -> str | None:
+    """The one numeric setting that varies across a method's configs (``method_cfg`` dicts), if exactly one does."""
+    keys = {k for c in cfgs for k, v in c.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    varying = [k for k in sorted(keys) if len({c.get(k) for c in cfgs}) > 1]
+    return varying[0] if len(varying) == 1 else None
+
+
+def setting_tradeoff(df: pd.DataFrame, runs: list[dict], table: pd.DataFrame):
+    """Per method swept over one numeric setting (e.g. SPRINTER's threshold, SD's gamma): median speedup,
+    and the first quality score when there is one, against that setting."""
+    sub = df[~df["is_baseline"] & df["method_cfg"].map(lambda c: isinstance(c, dict))]
+    swept = {m: k for m, g in sub.groupby("method") if (k := swept_setting(list(g["method_cfg"]))) is not None}
+    if not swept:
+        return "no method swept over a single numeric setting"
+    fig, axes = plt.subplots(1, len(swept), figsize=(SINGLE * len(swept), 2.4), squeeze=False)
+    for ax, (method, key) in zip(axes[0], swept.items()):
+        g = sub[sub["method"] == method].assign(setting=lambda d: d["method_cfg"].map(lambda c: float(c[key])))
+        qcols = [c for c in g.columns if c.startswith("q_") and g[c].notna().any()]
+        pts = g.groupby("setting").agg(speedup=("speedup", "median"), **({"quality": (qcols[0], "mean")} if qcols else {}))
+        ax.plot(pts.index, pts["speedup"], "o-", ms=3, label="speedup")
+        handles = ax.get_legend_handles_labels()[0]
+        if qcols:  # quality on its own axis, right
+            ax2 = ax.twinx()
+            ax2.plot(pts.index, pts["quality"], "s--", ms=3, color="tab:red", label=f"{qcols[0][2:]} (right)")
+            ax2.set_ylabel(qcols[0][2:], color="tab:red")
+            ax2.spines["right"].set_visible(True)
+            ax2.grid(False)
+            handles += ax2.get_legend_handles_labels()[0]
+        ax.legend(handles, [h.get_label() for h in handles], frameon=False, loc="best")
+        ax.set_title(method)
+        ax.set_xlabel(f"method.{key}")
+        ax.set_ylabel(f"speedup over {baseline_name(df)} (median)")
     return fig
 
 
@@ -198,7 +208,7 @@ def flops_vs_latency(df: pd.DataFrame, runs: list[dict], table: pd.DataFrame):
 FIGURES = {
     "speedup_by_category": speedup_by_category,
     "latency_vs_quality": latency_vs_quality,
-    "threshold_tradeoff": threshold_tradeoff,
+    "setting_tradeoff": setting_tradeoff,
     "accepted_histogram": accepted_histogram,
     "measured_vs_analytic": measured_vs_analytic,
     "flops_vs_latency": flops_vs_latency,

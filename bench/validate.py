@@ -9,8 +9,6 @@ from omegaconf import DictConfig
 from bench.errors import BenchError
 from bench.registry import get_method
 
-# Method settings that count tokens or lengths and must be at least 1, wherever a method uses them.
-_POSITIVE_KEYS = ("gamma", "gamma_min", "gamma_max", "num_heads", "max_run", "draft_len")
 
 
 def validate(cfg: DictConfig) -> None:
@@ -23,9 +21,6 @@ def validate(cfg: DictConfig) -> None:
         raise BenchError(f"top_p must be in (0, 1], got {cfg.top_p}.")
     if cfg.dataset.get("n_prompts") is not None and int(cfg.dataset.n_prompts) < 1:
         raise BenchError(f"dataset.n_prompts must be at least 1 (or null for all), got {cfg.dataset.n_prompts}.")
-    for key in _POSITIVE_KEYS:
-        if key in cfg.method and cfg.method[key] is not None and int(cfg.method[key]) < 1:
-            raise BenchError(f"method.{key} must be at least 1, got {cfg.method[key]}.")
     for key in ("path",):
         value = cfg.dataset.get(key)
         if value and "://" not in str(value) and not Path(str(value)).expanduser().exists():
@@ -34,8 +29,6 @@ def validate(cfg: DictConfig) -> None:
         ident = str(spec.get("id") or "")
         if spec.source == "hub" and ident.startswith(("/", ".", "~")) and not Path(ident).expanduser().exists():
             raise BenchError(f"model path '{ident}' does not exist.")
-    method = get_method(cfg.method.name)
-    if hasattr(method, "check"):
-        method.check(cfg.method)  # a method's own constraints, still before any model loads
+    get_method(cfg.method.name).check(cfg.method)  # a method's own constraints, still before any model loads
     if cfg.get("baseline"):
         get_method(cfg.baseline)

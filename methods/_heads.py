@@ -328,7 +328,7 @@ def heads_artifact(target, tokenizer, kind: str, recipe: DictConfig) -> Artifact
         return heads.eval(), prefix
 
     return Artifact("heads", f"{kind}-{ident['name']}", {"target": ident, "kind": kind, "recipe": keyed}, build,
-                    load, hint=f"run 'python -m bench train heads method={kind}'", description=f"{kind} heads")
+                    load, hint=f"run 'python -m bench train method method={kind}'", description=f"{kind} heads")
 
 
 def load_or_train_heads(target, tokenizer, kind: str, recipe: DictConfig, cache: Path,

@@ -197,7 +197,7 @@ def verifier_artifact(pair, recipe: DictConfig) -> Artifact:
         return model.eval()
 
     return Artifact("verifiers", pair.name, key, build, load, description="SPRINTER verifier",
-                    hint=f"run 'python -m bench train verifier pair={pair.name} method=sprinter'")
+                    hint=f"run 'python -m bench train method pair={pair.name} method=sprinter'")
 
 
 def verifier_dir(pair, recipe: DictConfig) -> Path:

@@ -24,10 +24,18 @@ from omegaconf import DictConfig
 from transformers import DynamicCache
 
 from bench.counting import truncate_cache
+from bench.errors import BenchError
 from bench.models import Pair
 from decoding.sampling import Sampling, next_token
 from decoding.tree import Tree, keep_path, score_tree
 from decoding.verify import verify_chain, verify_tree
+
+
+def at_least(cfg: DictConfig, minimum: int, *keys: str) -> None:
+    """Each of ``keys`` (a count of tokens, steps, ...) must be a whole number >= ``minimum``: one sentence."""
+    for key in keys:
+        if int(cfg[key]) < minimum:
+            raise BenchError(f"method.{key} must be at least {minimum}, got {cfg[key]}.")
 
 
 @dataclass

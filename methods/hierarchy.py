@@ -30,7 +30,7 @@ from bench.registry import register
 from decoding.corpus import check_corpus
 from decoding.ngram import NGramIndex, check_ngram_sizes, load_corpus_ngrams
 from decoding.tree import Tree
-from methods.base import Decoding, Draft, DraftVerify
+from methods.base import Decoding, Draft, DraftVerify, at_least
 
 DATABASES = ("context", "model", "statistics")
 
@@ -80,9 +80,7 @@ class Hierarchy(DraftVerify):
     def check(cls, cfg) -> None:
         check_ngram_sizes(cfg)
         check_ngram_sizes(cfg, "stat_max_ngram", "stat_min_ngram")
-        for key in ("draft_len", "num_candidates"):
-            if int(cfg[key]) < 1:
-                raise BenchError(f"method.{key} must be at least 1, got {cfg[key]}.")
+        at_least(cfg, 1, "draft_len", "num_candidates")
         check_corpus(cfg.corpus)
         bad = [db for db in cfg.databases if db not in DATABASES]
         if bad or not cfg.databases:

@@ -2,7 +2,7 @@
 Heads"): K independent heads on the target's last hidden state; head k's top-k fill depth k + 1 of a sparse
 candidate tree, verified in one target forward (:mod:`methods._tree_heads`).
 
-Heads are trained by the harness (:mod:`methods._heads`, ``python -m bench train heads method=medusa``).
+Heads are trained by the harness (:mod:`methods._heads`, ``python -m bench train method method=medusa``).
 """
 
 from __future__ import annotations

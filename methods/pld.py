@@ -10,11 +10,10 @@ rejection resamples from p with x removed. Lossless: greedy output equals ``ar``
 
 from __future__ import annotations
 
-from bench.errors import BenchError
 from bench.metrics import ratio
 from bench.registry import register
 from decoding.ngram import NGramIndex, check_ngram_sizes
-from methods.base import Decoding, Draft, DraftVerify
+from methods.base import Decoding, Draft, DraftVerify, at_least
 
 
 @register("pld")
@@ -24,8 +23,7 @@ class PLD(DraftVerify):
     @classmethod
     def check(cls, cfg) -> None:
         check_ngram_sizes(cfg)
-        if int(cfg.draft_len) < 1:
-            raise BenchError(f"method.draft_len must be at least 1, got {cfg.draft_len}.")
+        at_least(cfg, 1, "draft_len")
 
     def start(self, st: Decoding) -> None:
         self.index = NGramIndex(int(self.cfg.min_ngram), int(self.cfg.max_ngram))

@@ -15,7 +15,7 @@ from bench import metrics
 from bench.errors import BenchError
 from bench.registry import register
 from decoding.sampling import probs_from_logits, sample
-from methods.base import Decoding, Draft, DraftVerify
+from methods.base import Decoding, Draft, DraftVerify, at_least
 
 
 def draft_chain(draft, cache, pending: list[int], gamma: int, sampling, generator, device, confidence: float = 0.0):
@@ -53,6 +53,7 @@ class SD(DraftVerify):
 
     @classmethod
     def check(cls, cfg) -> None:
+        at_least(cfg, 1, "gamma", "gamma_min", "gamma_max")
         if not 0 <= float(cfg.get("confidence", 0.0)) <= 1:
             raise BenchError(f"method.confidence must be in [0, 1] (0: always draft gamma tokens), got {cfg.confidence}.")
 

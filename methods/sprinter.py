@@ -40,7 +40,7 @@ from methods._sprinter_verifier import (
     load_or_train_verifier,
     verifier_dir,
 )
-from methods.base import Decoding, Draft, DraftVerify
+from methods.base import Decoding, Draft, DraftVerify, at_least
 
 
 @register("sprinter")
@@ -56,6 +56,7 @@ class Sprinter(DraftVerify):
             threshold = math.nan
         if not threshold >= 0:
             raise BenchError(f"method.threshold must be a number >= 0 (above 1 every token is checked), got {cfg.get('threshold')}.")
+        at_least(cfg, 1, "max_run")
         recipe = cfg.verifier
         if recipe.label not in LABELS:
             raise BenchError(f"method.verifier.label must be one of {', '.join(LABELS)}, got '{recipe.label}'.")

@@ -178,7 +178,7 @@ def test_corrupt_heads_cache_is_retrained_or_one_sentence(tmp_path, tiny_pair):
 
     recipe = OmegaConf.create(method_cfg("medusa")["recipe"])
     target, tok = tiny_pair.target.module, tiny_pair.tokenizer
-    with pytest.raises(BenchError, match=r"no cached medusa heads at .*; run 'python -m bench train heads method=medusa'"):
+    with pytest.raises(BenchError, match=r"no cached medusa heads at .*; run 'python -m bench train method method=medusa'"):
         load_or_train_heads(target, tok, "medusa", recipe, tmp_path, train_if_missing=False)
     heads, _, report = load_or_train_heads(target, tok, "medusa", recipe, tmp_path)
     assert len(report["agreement_after"]) == heads.num_heads  # the training report comes with the cached heads
@@ -216,7 +216,7 @@ def test_heads_cache_without_the_recipes_prefix_layer_is_retrained_or_one_senten
     blob = {"kind": "hydra", "hidden": 64, "num_heads": 4, "state": heads.state_dict(), "prefix": None}
     write_foreign_heads(folder, blob)
     with pytest.raises(BenchError, match=r"hydra heads at .* cannot be loaded \(ValueError: it lacks a prefix layer, "
-                                         r"unlike method.recipe.prefix_layer\); run 'python -m bench train heads"):
+                                         r"unlike method.recipe.prefix_layer\); run 'python -m bench train method"):
         load_or_train_heads(target, tok, "hydra", recipe, tmp_path, train_if_missing=False)
     state = PrefixLayer.from_target(target).state_dict()
     state["gamma"] = torch.zeros(65)  # saved for another target

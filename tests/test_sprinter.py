@@ -74,7 +74,7 @@ def test_missing_and_corrupt_cache_are_one_sentence_or_retrained(tiny_pair, tmp_
     pair = copy.copy(tiny_pair)
     pair.cache = tmp_path
     pair.roles = dict(tiny_pair.roles)
-    with pytest.raises(BenchError, match="no cached SPRINTER verifier at .*; run 'python -m bench train verifier "
+    with pytest.raises(BenchError, match="no cached SPRINTER verifier at .*; run 'python -m bench train method "
                                          "pair=tiny method=sprinter'"):
         sprinter(pair).setup(train_if_missing=False)
     m = sprinter(pair)
@@ -197,7 +197,7 @@ def test_cli_trains_verifier_and_prints_report(cache_dir):
     from tests.test_cli import bench
 
     recipe = [f"method.verifier.{k}={v}" for k, v in TINY_RECIPE.items()]
-    res = bench("train", "verifier", "pair=tiny", "method=sprinter", *recipe, cache_dir=cache_dir, timeout=300)
+    res = bench("train", "method", "pair=tiny", "method=sprinter", *recipe, cache_dir=cache_dir, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     report = json.loads(res.stdout[res.stdout.index("{"):])
     assert REPORT_KEYS <= report.keys()

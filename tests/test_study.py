@@ -348,17 +348,17 @@ def test_plot_draws_present_figures_and_skips_absent(synthetic, tmp_path, capsys
 
     out = tmp_path / "plots"
     assert plot_main([str(synthetic), "--out", str(out)]) == 0
-    names = ["speedup_by_category", "latency_vs_quality", "threshold_tradeoff", "accepted_histogram",
+    names = ["speedup_by_category", "latency_vs_quality", "setting_tradeoff", "accepted_histogram",
              "measured_vs_analytic", "flops_vs_latency", "acceptance_by_position"]
     for name in names:
         for ext in ("pdf", "png"):
             assert (out / "figures" / f"{name}.{ext}").stat().st_size > 1000, name
-    # Only run a (no quality, no threshold): those two figures are skipped, with the reason printed.
+    # Only run a (no quality, no swept setting): those two figures are skipped, with the reason printed.
     out2 = tmp_path / "plots2"
     assert plot_main([str(synthetic / "a"), "--out", str(out2)]) == 0
     printed = capsys.readouterr().out
-    assert "skipped latency_vs_quality" in printed and "skipped threshold_tradeoff" in printed
-    assert not (out2 / "figures" / "threshold_tradeoff.png").exists()
+    assert "skipped latency_vs_quality" in printed and "skipped setting_tradeoff" in printed
+    assert not (out2 / "figures" / "setting_tradeoff.png").exists()
     assert (out2 / "figures" / "speedup_by_category.pdf").exists()
 
 
