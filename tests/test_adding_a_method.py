@@ -1,0 +1,56 @@
+"""The README's "Adding a method" example, run exactly as written: its Python block is saved as a module and
+imported (registering the method), its YAML block is its settings, and it goes through the same checks the
+registry walk applies to every shipped method."""
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from bench.registry import get_method
+from tests.helpers import assert_greedy_equal_to_ar, assert_sampling_is_the_targets, decode, prompts_for, repeating_prompt
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def blocks(language):
+    section = README.read_text().split("## Adding a method", 1)[1].split("\n## ", 1)[0]
+    return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory):
+    (code,), (yaml,) = blocks("python"), blocks("yaml")
+    path = tmp_path_factory.mktemp("example") / "bigram.py"
+    path.write_text(code)
+    spec = importlib.util.spec_from_file_location("readme_bigram", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)  # its @register line adds the method
+    return code, OmegaConf.create(yaml)
+
+
+def build(pair, cfg):
+    method = get_method(cfg.name)(cfg, pair)
+    method.check(cfg)
+    method.setup()
+    return method
+
+
+def test_the_example_is_a_small_file_that_touches_nothing_in_bench(example):
+    code, cfg = example
+    assert len(code.splitlines()) <= 150
+    assert not re.search(r"^class .*\(.*\bMethod\)|def decode\(", code, flags=re.M)  # the base owns the loop
+    assert get_method(cfg.name).lossless
+
+
+def test_the_example_is_lossless_greedy_and_sampled(example, tiny_pair):
+    _, cfg = example
+    method = build(tiny_pair, cfg)
+    assert_greedy_equal_to_ar(method, prompts_for(tiny_pair, 3))
+    ids = repeating_prompt(tiny_pair)
+    ids = ids + decode(tiny_pair, "ar", ids, max_new=30).output_ids
+    assert_sampling_is_the_targets(method, ids)
