@@ -14,6 +14,13 @@ def method_cfg(name, **overrides):
     return OmegaConf.merge(compose([f"method={name}"]).method, OmegaConf.create(overrides))
 
 
+def build(pair, name, **overrides):
+    """Method ``name`` on ``pair`` with its shipped settings (``overrides`` on top), set up."""
+    method = get_method(name)(method_cfg(name, **overrides), pair)
+    method.setup()
+    return method
+
+
 def decode(pair, name, prompt_ids, max_new=24, temperature=0.0, top_p=1.0, seed=0, **method_cfg):
     cfg = OmegaConf.create({"name": name, **method_cfg})
     method = get_method(name)(cfg, pair)

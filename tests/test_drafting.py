@@ -11,15 +11,9 @@ from bench.errors import BenchError
 from decoding.ngram import BigramTable, CorpusNGrams, NGramIndex, load_corpus_ngrams
 from bench.registry import get_method
 from bench.validate import validate
-from tests.helpers import decode, method_cfg, prompts_for, repeating_prompt, run, with_drafts
+from tests.helpers import build, decode, method_cfg, prompts_for, repeating_prompt, run, with_drafts
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "method"
-
-
-def build(pair, name, **overrides):
-    method = get_method(name)(method_cfg(name, **overrides), pair)
-    method.setup()
-    return method
 
 
 @pytest.fixture(scope="module")
