@@ -241,4 +241,6 @@ def test_cascade_k_matrix_must_fit_the_pair(tiny_pair):
 def test_equals_ar_greedy_on_default_pair(real_pair, name):
     ids = prompts_for(real_pair, 1)[0]
     ref = decode(real_pair, "ar", ids, max_new=32).output_ids
-    assert run(build(real_pair, name), ids, 32).output_ids == ref
+    # A small model database of the target's answers: its size changes what is drafted, not the output.
+    settings = {"model_db": {"prompts": 4, "max_new_tokens": 32}} if name == "hierarchy" else {}
+    assert run(build(real_pair, name, **settings), ids, 32).output_ids == ref

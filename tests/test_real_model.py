@@ -8,11 +8,13 @@ pytestmark = pytest.mark.slow
 
 
 def test_sd_equals_ar_greedy_on_default_pair(real_pair):
+    accepted = 0
     for ids in prompts_for(real_pair, 3):
         ar = decode(real_pair, "ar", ids, max_new=48)
         sd = decode(real_pair, "sd", ids, max_new=48, gamma=4)
         assert sd.output_ids == ar.output_ids
-        assert max(sd.accept_lengths) > 1  # the distilled draft does get tokens accepted
+        accepted += sum(a - 1 for a in sd.accept_lengths)
+    assert accepted > 0  # the distilled draft does get tokens accepted (its drafting vocabulary maps back right)
 
 
 def test_default_target_is_a_real_instruct_model(real_pair):
