@@ -11,7 +11,7 @@ Measured in one run, on the pair's target (default: SmolLM2-135M-Instruct, fp32)
   the same range (README: 0.21-0.29 at k = 4), so read it as what depth k knows, not as a bound.
   ``logit_lens``: the same without the translator (the target's norm and head on layer k directly).
 - ``c(k)``: time of a one-token forward through the first k layers with a ``--draft-vocab``-token head
-  (8,192: the shape of the harness's distilled draft, bench/distill.py), over the target's one-token forward.
+  (8,192: the shape of the harness's distilled draft, decoding/distill.py), over the target's one-token forward.
 - ``r(T)``: time of a T-token target forward over a one-token one: verifying a draft is not free here.
 - ``best_speedup(k)``: max over gamma of Leviathan et al.'s expected speedup with that verification cost,
   E[tokens](alpha, gamma) / (gamma c + r(gamma + 1)).
