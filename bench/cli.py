@@ -87,16 +87,13 @@ def group_option(group: str, name: str) -> DictConfig:
     with a composed config, scripts) Hydra is initialised on ``CONFIG_DIR`` for this one call.
     """
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    if name not in choices(group):
-        raise BenchError(f"unknown {group} '{name}'; choose one of: {', '.join(choices(group))}.")
     overrides = [f"{group}={name}"]
-    if GlobalHydra.instance().is_initialized():
-        return hydra_compose(config_name="config", overrides=overrides)[group]
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)[group]
+    if not GlobalHydra.instance().is_initialized():
+        return compose(overrides)[group]
+    check_choices(overrides)
+    return hydra_compose(config_name="config", overrides=overrides)[group]
 
 
 def train_main(args: list[str]) -> int:

@@ -89,22 +89,20 @@ def analytic_speedup(alpha: float, gamma: float, c: float) -> float:
     return expected_tokens / (gamma * c + 1)
 
 
-def _present(values) -> list[float]:
+def present(values) -> list[float]:
+    """The values that are there: None and NaN (undefined metrics) left out."""
     return [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
 
 
 def median(values) -> float:
-    vals = _present(values)
+    vals = present(values)
     return statistics.median(vals) if vals else math.nan
 
 
 def quantile(values, q: float) -> float:
     """The q-quantile of the values present, interpolating linearly between order statistics (numpy's
     default, so ``quantile(v, 0.5) == median(v)``); NaN when none is."""
-    vals = sorted(_present(values))
-    if not vals:
-        return math.nan
-    pos = q * (len(vals) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(vals) - 1)
-    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+    import numpy as np
+
+    vals = present(values)
+    return float(np.quantile(vals, q)) if vals else math.nan

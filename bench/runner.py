@@ -161,13 +161,13 @@ def previous_provenance(run_dir: Path) -> dict | None:
         return None
 
 
-def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float) -> dict:
+def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float, sampling: Sampling) -> dict:
     """One prompt's record from one timed decode (``c``: the run's measured draft/target cost ratio)."""
     decoded = run["decoded"]
     new = len(decoded.output_ids)
     rec = {
         "method": method.name,
-        "lossless": method.is_lossless(Sampling(float(cfg.temperature), float(cfg.top_p))),
+        "lossless": method.is_lossless(sampling),
         "pair": pair.name,
         "dataset": cfg.dataset.name,
         "prompt_id": prompt.prompt_id,
@@ -244,7 +244,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
             per_prompt = {}
             for m in order if i % 2 == 0 else order[::-1]:
                 res = timed_decode(m, pair, x, cfg.max_new_tokens, sampling, cfg.seed + i)
-                per_prompt[m.name] = make_record(cfg, pair, m, prompt, ids, res, prov["cost_ratio_c"])
+                per_prompt[m.name] = make_record(cfg, pair, m, prompt, ids, res, prov["cost_ratio_c"], sampling)
                 per_prompt[m.name]["run_key"] = keys[prompt.prompt_id][m.name]
             base = per_prompt.get(cfg.get("baseline"))
             for name, rec in per_prompt.items():

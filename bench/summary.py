@@ -36,7 +36,7 @@ SHOWN_POSITIONS = 5  # acceptance by position: the first few in the display form
 
 def bootstrap_ci(values, level: float = 0.95, n: int = 2000, seed: int = 0) -> tuple[float, float]:
     """Percentile bootstrap confidence interval of the median over prompts (resampling prompts)."""
-    x = np.asarray([v for v in values if v is not None and not math.isnan(v)], dtype=float)
+    x = np.asarray(metrics.present(values), dtype=float)
     if x.size == 0:
         return math.nan, math.nan
     rng = np.random.default_rng(seed)

@@ -106,20 +106,22 @@ class Hierarchy(DraftVerify):
                 self.model_docs += load_records_db(cfg.model_db_file, self.pair.name)
             if int(cfg.model_db.prompts) > 0:
                 self.model_docs += [((), doc) for doc in load_or_build_model_db(self.pair, cfg.model_db, train_if_missing)]
+        self.shared_index = self.index_of([out for _, out in self.model_docs])  # for prompts with no document
+
+    def index_of(self, docs: list[list[int]]) -> NGramIndex | None:
+        if not docs:
+            return None
+        index = NGramIndex(int(self.cfg.min_ngram), int(self.cfg.max_ngram))
+        for doc in docs:
+            index.add_document(doc)
+        return index
 
     def model_index(self, prompt: tuple[int, ...]) -> NGramIndex | None:
         """An index over the target's outputs for every prompt but ``prompt``; the same for any prompt order.
-        Built once when no document is this prompt's (it is then the same for every prompt)."""
-        own = any(p == prompt for p, _ in self.model_docs)
-        if not own and getattr(self, "_shared_index", False) is not False:
-            return self._shared_index
-        docs = [out for p, out in self.model_docs if p != prompt]
-        index = NGramIndex(int(self.cfg.min_ngram), int(self.cfg.max_ngram)) if docs else None
-        for doc in docs:
-            index.add_document(doc)
-        if not own:
-            self._shared_index = index
-        return index
+        Built once, in setup, for every prompt that has no document of its own."""
+        if not any(p == prompt for p, _ in self.model_docs):
+            return self.shared_index
+        return self.index_of([out for p, out in self.model_docs if p != prompt])
 
     def start(self, st: Decoding) -> None:
         cfg = self.cfg

@@ -9,9 +9,9 @@ from decoding.sampling import Sampling, probs_from_logits
 
 def method_cfg(name, **overrides):
     """``configs/method/<name>.yaml`` as Hydra composes it (defaults lists included), ``overrides`` on top."""
-    from bench.cli import compose
+    from bench.cli import group_option
 
-    return OmegaConf.merge(compose([f"method={name}"]).method, OmegaConf.create(overrides))
+    return OmegaConf.merge(group_option("method", name), OmegaConf.create(overrides))
 
 
 def build(pair, name, **overrides):
