@@ -1,7 +1,7 @@
 """Command line: ``python -m bench COMMAND [hydra overrides]``.
 
-Commands: ``run`` (decode and measure), ``train draft|heads|verifier`` (build and cache trained parts),
-and, where present, ``table``, ``plot`` and ``report`` over saved results.
+Commands: ``run`` (decode and measure), ``train draft|method`` (build and cache trained parts), ``show``
+(every setting with its type, default and meaning), ``table``, ``plot`` and ``report`` over saved results.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from bench.errors import BenchError
 COMMANDS = {
     "run": "bench.cli:run_main",
     "train": "bench.cli:train_main",
+    "show": "bench.cli:show_main",
     "table": "bench.report_cli:table_main",
     "plot": "bench.report_cli:plot_main",
     "report": "bench.report_cli:report_main",

@@ -1,7 +1,12 @@
-"""``run`` and ``train``: Hydra-driven entry points (config groups: method, pair, dataset)."""
+"""``run``, ``train`` and ``show``: Hydra-driven entry points (config groups: method, pair, dataset).
+
+Every command composes its config with Hydra and checks it (:func:`bench.validate.validate`) before
+anything else happens: ``run`` checks every job of a sweep before Hydra creates any run directory.
+"""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import sys
@@ -23,8 +28,31 @@ if not OmegaConf.has_resolver("bench.first"):
     OmegaConf.register_new_resolver("bench.first", lambda *args: next((a for a in args if a not in (None, "")), None))
 
 
+def register_configs() -> None:
+    """The top-level defaults and every method's settings, from their declarations into Hydra's ConfigStore
+    (``settings`` and ``method/<name>``), so no YAML repeats them. Called before every composition, so a
+    method registered after import (a plug-in, a test) is an option too."""
+    from hydra.core.config_store import ConfigStore
+
+    from bench.registry import get_method, known_methods
+    from bench.schema import RunSettings
+
+    store = ConfigStore.instance()
+    store.store(name="settings", node=RunSettings().model_dump(mode="json"))
+    for name in known_methods():
+        store.store(group="method", name=name, node=get_method(name).Config(name=name).model_dump(mode="json"))
+
+
+register_configs()
+
+
 def choices(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+    """The options of a config group: the registered methods, or the YAML files of ``configs/<group>/``."""
+    from hydra.core.config_store import ConfigStore
+
+    register_configs()
+    stored = ConfigStore.instance().repo.get(group, {})
+    return sorted({p.stem for p in (CONFIG_DIR / group).glob("*.yaml")} | {n.removesuffix(".yaml") for n in stored})
 
 
 def check_choices(overrides: list[str]) -> None:
@@ -61,22 +89,74 @@ def _hydra_run(cfg: DictConfig) -> None:
     print_summary(run_dir, cfg.get("baseline"))
 
 
+MULTIRUN = ("-m", "--multirun")
+
+
 def run_main(args: list[str]) -> int:
-    check_choices(args)
+    """``run [-m] [overrides]``: every job's config is checked before Hydra starts (and creates directories)."""
+    overrides = [a for a in args if not a.startswith("-")]
+    if all(a in MULTIRUN for a in args if a.startswith("-")):  # --cfg, --help, --info ...: Hydra answers those
+        from bench.validate import validate
+
+        for job in sweep_jobs(overrides) if any(a in MULTIRUN for a in args) else [overrides]:
+            validate(compose(job))
     sys.argv = ["python -m bench run", *args]
     _hydra_run()
     return 0
 
 
+def sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """Each job's overrides in a ``-m`` sweep: the product of every swept value, as Hydra's basic sweeper
+    makes them (``a=1,2 b=x,y`` -> four jobs; ``range(..)`` and ``choice(..)`` expand too)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    check_choices(overrides)
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        values = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
+                  else [o.input_line] for o in parsed]
+    except HydraException as err:
+        raise BenchError(hydra_sentence(err)) from None
+    return [list(job) for job in itertools.product(*values)]
+
+
+def hydra_sentence(err: Exception) -> str:
+    """Hydra's own message about an override, as one sentence."""
+    first = str(err).strip().splitlines()[0].rstrip(".")
+    if getattr(err, "override", None):  # a parse error: say which override
+        first = f"cannot parse the override '{err.override}' ({first})"
+    if first.startswith("Ambiguous value"):
+        first += " (add -m to sweep over the values, or write key=[a,b] for a list)"
+    return f"{first}; see https://hydra.cc/docs/advanced/override_grammar/basic."
+
+
 def compose(args: list[str], hydra: bool = False) -> DictConfig:
     """The config ``run`` would see for these overrides, without starting a run (for ``train``, tests);
-    ``hydra=True`` keeps the ``hydra`` node (launcher, sweeper, directories)."""
+    ``hydra=True`` keeps the ``hydra`` node (launcher, sweeper, directories).
+
+    ``key=value`` for a key the config does not have is composed as ``+key=value``, so the schema's check
+    answers it, naming the keys that node has (Hydra alone would only say the key is not in struct).
+    """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.errors import ConfigCompositionException, HydraException
 
+    register_configs()
     check_choices(args)
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=args, return_hydra_config=hydra)
+    args = list(args)
+    while True:
+        try:
+            with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+                return hydra_compose(config_name="config", overrides=args, return_hydra_config=hydra)
+        except ConfigCompositionException as err:
+            key = getattr(err.__cause__, "full_key", None)
+            unknown = [i for i, a in enumerate(args) if key and a.partition("=")[0] == key]
+            if "not in struct" not in str(err.__cause__) or not unknown:
+                raise BenchError(hydra_sentence(err)) from None
+            args[unknown[0]] = "+" + args[unknown[0]]
+        except HydraException as err:
+            raise BenchError(hydra_sentence(err)) from None
 
 
 def group_option(group: str, name: str) -> DictConfig:
@@ -103,12 +183,11 @@ def train_main(args: list[str]) -> int:
     if not args or args[0] not in what:
         raise BenchError(f"say what to train: one of {', '.join(what)} (e.g. 'python -m bench train draft pair=smollm2' "
                          "or 'python -m bench train method method=medusa').")
-    cfg = compose(args[1:])
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     from bench.models import load_pair
     from bench.validate import validate
 
-    validate(cfg)
+    cfg = validate(compose(args[1:]))
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     from bench.registry import get_method
 
     # ``train draft`` loads (and so distils) every draft of the pair; ``train method`` only the drafts that
@@ -125,3 +204,32 @@ def train_main(args: list[str]) -> int:
     method.setup(train_if_missing=True)
     print(json.dumps(getattr(method, "report", {}), indent=2, default=str))
     return 0
+
+
+def show_main(args: list[str]) -> int:
+    """``show [method=NAME] [pair=NAME] [dataset=NAME] [overrides]``: every setting of the named groups (none
+    named: the top-level settings) with its type, value and meaning, printed from the schema."""
+    from tabulate import tabulate
+
+    from bench.registry import get_method
+    from bench.schema import rows
+    from bench.validate import checked
+
+    nodes = checked(compose(args))
+    named = [g for g in GROUPS if any(a.partition("=")[0].lstrip("+~") == g for a in args)] or [""]
+    for group in named:
+        node = nodes[group]
+        title = f"{group}={node.name}" if group else "top-level settings"
+        owner = get_method(node.name) if group == "method" else type(node)
+        doc = (sys.modules[owner.__module__].__doc__ if group == "method" else owner.__doc__ or "").strip().splitlines()
+        print(f"\n{title}" + (f": {doc[0]}" if doc else ""))
+        prefix = f"{group}." if group else ""
+        table = [[prefix + r["key"], r["type"], _value(r["value"]), r["meaning"]] for r in rows(node) if r["key"] != "name"]
+        print(tabulate(table, headers=["key", "type", "value", "meaning"], tablefmt="github"))
+    if named == [""]:
+        print("\ngroups: " + "; ".join(f"{g}: {', '.join(choices(g))}" for g in GROUPS))
+    return 0
+
+
+def _value(value) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)

@@ -15,11 +15,13 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 from omegaconf import DictConfig
+from pydantic import Field, field_validator
 
 from bench.errors import BenchError
+from bench.schema import Settings, check
 from decoding.corpus import lee_articles
 
 
@@ -34,15 +36,89 @@ class Prompt:
     meta: dict = field(default_factory=dict)
 
 
-SOURCES: dict[str, Callable[[DictConfig], list[Prompt]]] = {}
+class DatasetSettings(Settings):
+    """``dataset.*`` settings every source has; a source adds its own in a subclass."""
+
+    name: str = Field(description="the dataset's name, in records and tables")
+    source: str = Field(description="where the prompts come from (bench/data.py SOURCES)")
+    n_prompts: int | None = Field(None, ge=1, description="how many prompts (null: all); chosen reproducibly by "
+                                  "seed, round-robin over categories")
+    categories: list[str] | None = Field(None, description="keep only these categories (null: all)")
+    template: str | None = Field(None, description="prompt template; {prompt} is replaced by the prompt's first turn")
+    max_new_tokens: int | None = Field(None, ge=1, description="this dataset's token budget (max_new_tokens=N on "
+                                       "the command line wins; null: 128)")
+
+    @field_validator("template")
+    @classmethod
+    def fills_prompt(cls, template):
+        try:
+            filled = template.format(prompt="\0") if template is not None else "\0"
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(f"template {template!r} cannot be filled ({type(err).__name__}: {err}); write "
+                             "{prompt} where the prompt goes and double any other brace.") from None
+        if "\0" not in filled:
+            raise ValueError(f"template {template!r} has no {{prompt}}.")
+        return template
 
 
-def source(name: str):
+SOURCES: dict[str, tuple[Callable[[DictConfig], list[Prompt]], type[DatasetSettings]]] = {}
+
+
+def source(name: str, settings: type[DatasetSettings]):
+    """Register a prompt source under ``name`` with the settings class its configs are checked against."""
+
     def wrap(fn):
-        SOURCES[name] = fn
+        SOURCES[name] = (fn, settings)
         return fn
 
     return wrap
+
+
+def dataset_settings(cfg: dict) -> DatasetSettings:
+    """A ``dataset`` node checked against its source's settings (one sentence on the first problem)."""
+    src = cfg.get("source")
+    if src not in SOURCES:
+        raise BenchError(f"dataset.source={src!r} is not allowed; it takes one of: {', '.join(sorted(SOURCES))}.")
+    return check(SOURCES[src][1], cfg, "dataset", f"dataset={cfg.get('name')}")
+
+
+class BuiltinDataset(DatasetSettings):
+    source: Literal["builtin"] = Field("builtin", description="where the prompts come from")
+
+
+class SpecBenchDataset(DatasetSettings):
+    source: Literal["spec_bench"] = Field("spec_bench", description="where the prompts come from")
+    path: str = Field(description="Spec-Bench's question.jsonl: a local path or an http(s):// URL")
+
+
+class GSM8KDataset(DatasetSettings):
+    source: Literal["gsm8k"] = Field("gsm8k", description="where the prompts come from")
+
+
+class LeeNewsDataset(DatasetSettings):
+    source: Literal["lee_news"] = Field("lee_news", description="where the prompts come from")
+    split: Literal["test", "train"] = Field("test", description="test = 50 held-out articles; train = the 300 "
+                                            "the default draft is distilled on")
+
+
+class HubLocation(Settings):
+    """Arguments of ``datasets.load_dataset``."""
+
+    path: str = Field(description="a hub id, or a local file format: json, parquet, csv")
+    name: str | None = Field(None, description="the dataset's configuration name")
+    split: str = Field("test", description="which split")
+    data_files: str | list[str] | None = Field(None, description="local files (with path: json / parquet / csv)")
+    streaming: bool = Field(False, description="read only the first `limit` rows, not the whole set")
+    limit: int | None = Field(1000, ge=1, description="rows read at most, before the seeded selection")
+
+
+class HubDataset(DatasetSettings):
+    source: Literal["hub"] = Field("hub", description="where the prompts come from")
+    hub: HubLocation = Field(description="where the rows come from")
+    text_field: str = Field(description="the field that becomes the prompt")
+    reference_field: str | None = Field(None, description="the field that becomes the reference (null: none)")
+    id_field: str | None = Field(None, description="the field that becomes the prompt id (null: the row number)")
+    category: str | None = Field(None, description="every prompt's category (null: the dataset's name)")
 
 
 # ------------------------------------------------------------------------------------------- builtin set
@@ -80,7 +156,7 @@ def _gsm8k_questions(n: int | None = None) -> list[tuple[str, str]]:
     return [(r["question"], r["answer"].split("####")[-1].strip()) for r in rows]
 
 
-@source("builtin")
+@source("builtin", BuiltinDataset)
 def builtin_prompts(cfg: DictConfig) -> list[Prompt]:
     """Spec-Bench's six task kinds, three prompts each, offline: conversation, translation, summarization
     (Lee news articles), qa, math_reasoning (GSM8K) and rag (a Lee article as the retrieved passage)."""
@@ -121,7 +197,7 @@ def _read_text(location: str) -> str:
     return path.read_text(encoding="utf-8")
 
 
-@source("spec_bench")
+@source("spec_bench", SpecBenchDataset)
 def spec_bench_prompts(cfg: DictConfig) -> list[Prompt]:
     """Spec-Bench (Xia et al. 2024): 480 questions, MT-Bench's 80 multi-turn ones in their eight original
     categories plus 80 each of translation, summarization, qa, math_reasoning and rag. Every turn is kept
@@ -142,14 +218,14 @@ def spec_bench_prompts(cfg: DictConfig) -> list[Prompt]:
     return prompts
 
 
-@source("gsm8k")
+@source("gsm8k", GSM8KDataset)
 def gsm8k_prompts(cfg: DictConfig) -> list[Prompt]:
     """GSM8K test questions (Cobbe et al. 2021); ``reference`` is the final answer (the text after ``####``).
     The step-by-step instruction lives in the config's ``template``."""
     return [Prompt(f"gsm8k-{i}", "math_reasoning", [q], reference=a) for i, (q, a) in enumerate(_gsm8k_questions())]
 
 
-@source("lee_news")
+@source("lee_news", LeeNewsDataset)
 def lee_news_prompts(cfg: DictConfig) -> list[Prompt]:
     """News summarization over the Lee corpus that gensim ships (``split``: ``test`` = the 50 held-out
     articles, ``train`` = the 300 background ones the default draft is distilled on). The articles have
@@ -158,7 +234,7 @@ def lee_news_prompts(cfg: DictConfig) -> list[Prompt]:
     return [Prompt(f"lee-{split}-{i}", "summarization", [a]) for i, a in enumerate(lee_articles(split))]
 
 
-@source("hub")
+@source("hub", HubDataset)
 def hub_prompts(cfg: DictConfig) -> list[Prompt]:
     """Rows of any ``datasets.load_dataset`` source: a hub id (``hub.path``, ``hub.name``), or a local file
     format (``hub.path: json`` / ``parquet`` / ``csv`` with ``hub.data_files``). ``text_field`` becomes the
@@ -224,7 +300,7 @@ def load_prompts(cfg: DictConfig, seed: int) -> list[Prompt]:
     """The prompts of ``cfg`` (a ``dataset`` config): its source, then the reproducible selection."""
     if cfg.source not in SOURCES:
         raise BenchError(f"unknown dataset source '{cfg.source}'; choose one of: {', '.join(sorted(SOURCES))}.")
-    prompts = SOURCES[cfg.source](cfg)
+    prompts = SOURCES[cfg.source][0](cfg)
     return select(prompts, cfg.get("n_prompts"), seed, cfg.get("categories"))
 
 

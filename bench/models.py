@@ -11,15 +11,80 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from pydantic import Field, field_validator
 
 from bench.artifacts import Artifact, file_sha256, load_or_build
 from bench.counting import Counted, CountedLM
 from bench.errors import BenchError
+from bench.schema import Settings
+from decoding.distill import DistillRecipe
 
 log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------- settings
+
+
+class HubModel(Settings):
+    """A causal LM by hub id or local folder (any family transformers' AutoModelForCausalLM loads)."""
+
+    source: Literal["hub"] = Field("hub", description="where the model comes from")
+    id: str = Field(description="a hub id (org/name), or a local model folder")
+
+
+class PackagedModel(Settings):
+    """A GGUF file shipped inside a Python package, dequantised to fp32 and cached as a transformers folder."""
+
+    source: Literal["gguf_package"] = Field("gguf_package", description="where the model comes from")
+    id: str = Field(description="the model's hub id: provenance only, nothing is fetched")
+    package: str = Field(description="the installed package that ships the file (import name)")
+    file: str = Field(description="the GGUF file inside the package")
+
+
+class RandomModel(Settings):
+    """A Llama-style model with seeded random weights and the byte-level tokenizer: the pipeline in seconds."""
+
+    source: Literal["random"] = Field("random", description="where the model comes from")
+    seed: int = Field(0, ge=0, description="seeds the weights")
+    config: dict[str, int | float | bool] = Field(description="transformers LlamaConfig arguments "
+                                                  "(hidden_size, num_hidden_layers, ...)")
+
+    @field_validator("config")
+    @classmethod
+    def llama_config(cls, config):
+        from transformers import LlamaConfig
+
+        known = LlamaConfig().to_dict()
+        unknown = sorted(set(config) - set(known))
+        if unknown:
+            raise ValueError(f"config has keys LlamaConfig does not know: {', '.join(unknown)}.")
+        sizes = [k for k, v in config.items() if k.endswith(("_size", "_layers", "_heads", "_position_embeddings"))
+                 and not isinstance(v, bool)]
+        bad = [k for k in sizes if config[k] < 1]
+        if bad:
+            raise ValueError(f"config sizes must be >= 1, got {', '.join(f'{k}={config[k]}' for k in bad)}.")
+        return config
+
+
+class DistilledDraft(Settings):
+    """A draft the harness distils from the target (decoding/distill.py)."""
+
+    source: Literal["distilled"] = Field("distilled", description="where the model comes from")
+    recipe: DistillRecipe = Field(default_factory=DistillRecipe, description="how the draft is distilled")
+
+
+class PairSettings(Settings):
+    """``pair.*``: the target and its drafts (largest first); methods load only the drafts they use."""
+
+    name: str = Field(description="the pair's name, in records and tables")
+    target: Annotated[HubModel | PackagedModel | RandomModel, Field(discriminator="source")] = Field(
+        description="the model whose output every lossless method reproduces")
+    drafts: list[Annotated[HubModel | RandomModel | DistilledDraft, Field(discriminator="source")]] = Field(
+        default_factory=list, description="draft models, largest first")
 
 
 def resolve_device(name: str) -> torch.device:

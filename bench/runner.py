@@ -203,10 +203,10 @@ def paired_speedup(base: dict, rec: dict) -> float:
 
 def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
     """Decode every prompt of ``cfg.dataset`` with the baseline and ``cfg.method``; write the results."""
-    validate(cfg)  # before any model loads
+    cfg = validate(cfg)  # checked, defaults filled in: before any model loads or any file is written
     torch.manual_seed(cfg.seed)
-    run_dir.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(cfg.dataset, cfg.seed)
+    run_dir.mkdir(parents=True, exist_ok=True)
     mcfgs = method_cfgs(cfg)
     keys, done = resume_plan(cfg, mcfgs, run_dir, prompts)
     # Prompt i keeps its index (its seed and its order of methods) whether or not earlier ones were kept.

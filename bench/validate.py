@@ -1,34 +1,74 @@
-"""Checks of a composed config, run before any model loads: one sentence per problem, naming the value."""
+"""The check of a composed config, run before any model loads or any training starts.
+
+Each node is validated against its declaration (``bench/schema.py``: the top level; ``Method.Config``: the
+method and the baseline; ``bench.models.PairSettings``: the pair; ``bench.data``: the dataset's source), then
+the files the config names are read far enough to know they are usable. The first problem is one sentence
+(:class:`bench.errors.BenchError`) naming the key, the value and what is allowed.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from bench import inputs
+from bench.data import dataset_settings
 from bench.errors import BenchError
+from bench.models import HubModel, PairSettings
 from bench.registry import get_method
+from bench.schema import RunSettings, Settings, as_config, check
+
+GROUPS = ("method", "pair", "dataset")
+DEFAULT_MAX_NEW_TOKENS = 128  # when neither the command line nor the dataset sets a budget
 
 
+def plain(cfg: DictConfig) -> dict:
+    """The composed config as plain values, interpolations resolved (a failing one is one sentence)."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as err:
+        raise BenchError(f"config value {err.full_key or ''} cannot be resolved: {str(err).splitlines()[0]}.") from None
 
-def validate(cfg: DictConfig) -> None:
-    """Raise :class:`BenchError` on the first invalid setting."""
-    if int(cfg.max_new_tokens) < 1:
-        raise BenchError(f"max_new_tokens must be at least 1, got {cfg.max_new_tokens}.")
-    if float(cfg.temperature) < 0:
-        raise BenchError(f"temperature must be >= 0 (0 means greedy), got {cfg.temperature}.")
-    if not 0 < float(cfg.top_p) <= 1:
-        raise BenchError(f"top_p must be in (0, 1], got {cfg.top_p}.")
-    if cfg.dataset.get("n_prompts") is not None and int(cfg.dataset.n_prompts) < 1:
-        raise BenchError(f"dataset.n_prompts must be at least 1 (or null for all), got {cfg.dataset.n_prompts}.")
-    for key in ("path",):
-        value = cfg.dataset.get(key)
-        if value and "://" not in str(value) and not Path(str(value)).expanduser().exists():
-            raise BenchError(f"dataset.{key} '{value}' does not exist.")
-    for spec in [cfg.pair.target, *(cfg.pair.get("drafts") or [])]:
-        ident = str(spec.get("id") or "")
-        if spec.source == "hub" and ident.startswith(("/", ".", "~")) and not Path(ident).expanduser().exists():
-            raise BenchError(f"model path '{ident}' does not exist.")
-    get_method(cfg.method.name).check(cfg.method)  # a method's own constraints, still before any model loads
-    if cfg.get("baseline"):
-        get_method(cfg.baseline)
+
+def checked(cfg: DictConfig) -> dict[str, Settings]:
+    """Every node of ``cfg`` validated: ``{"": top level, "method": ..., "pair": ..., "dataset": ...}``, defaults
+    filled in and ``max_new_tokens`` resolved; raises :class:`BenchError` on the first problem."""
+    data = plain(cfg)
+    nodes = {g: data.pop(g, None) or {} for g in GROUPS}
+    settings = check(RunSettings, data, "", "the top level")
+    method_cls = get_method(nodes["method"].get("name"))
+    method = method_cls.check_settings(nodes["method"])
+    pair = check(PairSettings, nodes["pair"], "pair", f"pair={nodes['pair'].get('name')}")
+    method_cls.check_pair(method, pair)
+    dataset = dataset_settings(nodes["dataset"])
+    if settings.baseline is not None:
+        baseline = get_method(settings.baseline)  # an unknown name lists the known ones
+        baseline.check_pair(baseline.check_settings({}), pair)
+    if settings.max_new_tokens is None:
+        settings.max_new_tokens = dataset.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+    return {"": settings, "method": method, "pair": pair, "dataset": dataset}
+
+
+def validate(cfg: DictConfig) -> DictConfig:
+    """``cfg`` checked (:func:`checked`) and the files it names read far enough to be trusted: the config the
+    run uses, or one sentence on the first problem."""
+    nodes = checked(cfg)
+    check_files(nodes["pair"], nodes["dataset"])
+    out = as_config(nodes[""])
+    for group in GROUPS:
+        out[group] = as_config(nodes[group])
+    return out
+
+
+def check_files(pair: PairSettings, dataset) -> None:
+    """The files a config names: local model folders and the question file, read just far enough."""
+    for i, spec in enumerate([pair.target, *pair.drafts]):
+        if isinstance(spec, HubModel) and inputs.looks_local(spec.id):
+            where = "pair.target.id" if i == 0 else f"pair.drafts.{i - 1}.id"
+            if not Path(spec.id).expanduser().exists():
+                raise BenchError(f"{where}: model folder '{spec.id}' does not exist.")
+            inputs.check_model_folder(Path(spec.id).expanduser())
+    if dataset.source == "spec_bench" and "://" not in dataset.path:
+        inputs.read_question_file(dataset.path)

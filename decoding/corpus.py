@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import bz2
 import importlib.util
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
+from typing import Literal, get_args
 
 from bench.errors import BenchError
 
@@ -21,7 +22,7 @@ def gensim_test_data() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "test" / "test_data"
 
 
-@lru_cache(maxsize=None)
+@cache
 def lee_articles(split: str = "train") -> tuple[str, ...]:
     """Lee news articles: ``train`` = the 300 background articles, ``test`` = the 50 held-out ones."""
     name = {"train": "lee_background.cor", "test": "lee.cor"}[split]
@@ -29,7 +30,7 @@ def lee_articles(split: str = "train") -> tuple[str, ...]:
     return tuple(line.strip() for line in lines if line.strip())
 
 
-@lru_cache(maxsize=None)
+@cache
 def wiki_articles(limit: int = 200, min_chars: int = 2000) -> tuple[str, ...]:
     """Plain text of the first ``limit`` long articles of gensim's shortened English Wikipedia dump."""
     from gensim.corpora.wikicorpus import extract_pages, filter_wiki
@@ -46,13 +47,8 @@ def wiki_articles(limit: int = 200, min_chars: int = 2000) -> tuple[str, ...]:
     return tuple(out)
 
 
-CORPORA = ("lee", "wiki", "lee+wiki")
-
-
-def check_corpus(name: str, key: str = "method.corpus") -> None:
-    """One sentence naming the valid packaged corpora, before any text is read."""
-    if name not in CORPORA:
-        raise BenchError(f"{key} '{name}' is not a packaged corpus; use {', '.join(CORPORA)}.")
+Corpus = Literal["lee", "wiki", "lee+wiki"]  # the packaged corpora, as a settings type
+CORPORA = get_args(Corpus)
 
 
 def corpus(name: str, split: str = "train") -> tuple[str, ...]:

@@ -17,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from pydantic import Field, NonNegativeInt
 from omegaconf import DictConfig
 from torch import nn
 from tqdm.auto import tqdm
@@ -25,10 +26,39 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from bench.artifacts import Artifact, load_or_build, model_fingerprint, report_of
 from bench.errors import BenchError
-from decoding.corpus import corpus
+from bench.schema import Settings
+from decoding.corpus import Corpus, corpus
 from decoding.training import fit
 
 log = logging.getLogger(__name__)
+
+
+class SelfDistill(Settings):
+    """The target answers packaged instructions; the draft learns those answers (on-policy text)."""
+
+    prompts: int = Field(64, ge=0, description="how many instructions the target answers (0: none)")
+    batch_size: int = Field(16, ge=1, description="answers generated per batch")
+    max_new_tokens: int = Field(128, ge=1, description="tokens per answer at most")
+
+
+class DistillRecipe(Settings):
+    """How a draft is distilled from the target (cached under cache_dir/drafts/, keyed by target and recipe)."""
+
+    layers: list[NonNegativeInt] = Field([0, 1, 2, 3], min_length=1, description="which target layers the draft "
+                                         "starts from (renumbered 0..k-1)")
+    vocab: int = Field(8192, ge=1, description="drafting vocabulary: the most frequent tokens (verification stays "
+                       "lossless)")
+    corpus: Corpus = Field("lee", description="packaged training text")
+    max_tokens: int = Field(49152, ge=1, description="teacher-forced training tokens")
+    eval_tokens: int = Field(8192, ge=1, description="held-out tokens for the agreement report")
+    seq_len: int = Field(256, ge=2, description="tokens per training sequence")
+    batch_size: int = Field(8, ge=1, description="sequences per training step")
+    epochs: int = Field(4, ge=1, description="passes over the training tokens")
+    lr: float = Field(5.0e-4, gt=0, description="AdamW learning rate")
+    topk: int = Field(32, ge=1, description="the target's top-k probabilities kept as soft labels")
+    self_distill: SelfDistill | None = Field(default_factory=SelfDistill, description="on-policy answers "
+                                             "added to the training text (null: none)")
+    seed: int = Field(0, ge=0, description="seeds initialisation, data order and instruction choice")
 
 
 class DraftLM(PreTrainedModel, GenerationMixin):

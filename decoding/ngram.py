@@ -27,11 +27,13 @@ log = logging.getLogger(__name__)
 _SEP = -1  # between documents: no n-gram and no continuation crosses it
 
 
-def check_ngram_sizes(cfg, max_key: str = "max_ngram", min_key: str = "min_ngram") -> None:
-    """A method's n-gram sizes must satisfy 1 <= min <= max: one sentence naming the keys otherwise."""
-    lo, hi = int(cfg[min_key]), int(cfg[max_key])
-    if not 1 <= lo <= hi:
-        raise BenchError(f"method.{min_key} and method.{max_key} need 1 <= {min_key} <= {max_key}, got {lo} and {hi}.")
+def ngram_sizes(node, min_key: str = "min_ngram", max_key: str = "max_ngram"):
+    """A method's n-gram sizes must satisfy ``min <= max`` (each is declared ``>= 1``): the named cross-key
+    rule of a settings node (``@model_validator``); returns the node, raises ``ValueError`` with one sentence."""
+    lo, hi = getattr(node, min_key), getattr(node, max_key)
+    if lo > hi:
+        raise ValueError(f"{min_key} ({lo}) must not exceed {max_key} ({hi}).")
+    return node
 
 
 class NGramIndex:
@@ -119,7 +121,7 @@ class CorpusNGrams:
         return found
 
     @classmethod
-    def build(cls, docs: list[list[int]], min_n: int, max_n: int, length: int, top: int) -> "CorpusNGrams":
+    def build(cls, docs: list[list[int]], min_n: int, max_n: int, length: int, top: int) -> CorpusNGrams:
         """Count, for each n-gram of ``docs`` (token lists), the continuations that follow it."""
         table: dict[tuple[int, ...], list[list[int]]] = {}
         for n in range(min_n, max_n + 1):
@@ -150,7 +152,7 @@ class CorpusNGrams:
         return out
 
     @classmethod
-    def from_tensors(cls, blob: dict) -> "CorpusNGrams":
+    def from_tensors(cls, blob: dict) -> CorpusNGrams:
         table = {}
         for n in range(blob["min_n"], blob["max_n"] + 1):
             for key, conts in zip(blob[f"keys{n}"].tolist(), blob[f"conts{n}"].tolist()):
@@ -167,7 +169,7 @@ class BigramTable:
         self.next = next_token.tolist()
 
     @classmethod
-    def build(cls, docs: list[list[int]], vocab_size: int) -> "BigramTable":
+    def build(cls, docs: list[list[int]], vocab_size: int) -> BigramTable:
         pairs = Counter((a, b) for doc in docs for a, b in zip(doc, doc[1:]))
         unigram = Counter(t for doc in docs for t in doc)
         table = torch.full((vocab_size,), unigram.most_common(1)[0][0] if unigram else 0, dtype=torch.long)

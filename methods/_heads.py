@@ -28,9 +28,11 @@ import copy
 import logging
 import math
 from pathlib import Path
+from typing import Literal
 
 import torch
 from omegaconf import DictConfig
+from pydantic import Field, model_validator
 from torch import nn
 
 from bench.artifacts import (
@@ -41,15 +43,43 @@ from bench.artifacts import (
     report_of,
 )
 from bench.counting import Counted, CountedModule
-from bench.errors import BenchError
-from decoding.corpus import corpus
+from bench.schema import Settings
+from decoding.corpus import Corpus, corpus
 from decoding.distill import pick_vocab, sub_index, teacher_pass, token_chunks
 from decoding.training import fit
 
 log = logging.getLogger(__name__)
 
 KINDS = ("medusa", "hydra")
-LOSSES = ("top1", "teacher")
+
+
+class HeadsRecipe(Settings):
+    """How Medusa / Hydra heads are trained (cached under cache_dir/heads/, keyed by the target and this recipe)."""
+
+    num_heads: int = Field(4, ge=1, description="head k proposes the token k + 1 steps after the target's next one")
+    vocab: int = Field(8192, ge=1, description="heads propose from the most frequent tokens only (verification "
+                       "stays lossless)")
+    loss: Literal["top1", "teacher"] = Field("top1", description="top1: the target's greedy token; teacher: its "
+                                             "top-k distribution (soft labels)")
+    topk: int = Field(32, ge=1, description="soft labels kept per position when loss = teacher")
+    decay: float = Field(0.8, gt=0, le=1, description="head k's loss weight is decay**k (later heads are harder "
+                         "and matter less)")
+    corpus: Corpus = Field("lee", description="packaged training text")
+    max_tokens: int = Field(16384, ge=1, description="teacher-forced training tokens")
+    eval_tokens: int = Field(8192, ge=1, description="held-out tokens for the per-head agreement report")
+    seq_len: int = Field(256, ge=2, description="tokens per training sequence")
+    batch_size: int = Field(8, ge=1, description="sequences per training step")
+    epochs: int = Field(2, ge=1, description="passes over the training tokens")
+    lr: float = Field(1.0e-3, gt=0, description="AdamW learning rate")
+    seed: int = Field(0, ge=0, description="seeds the heads' initialisation and the data order")
+    prefix_layer: bool = Field(False, description="Hydra++'s prefix attention layer feeds the heads "
+                               "(hydra_pp's default)")
+
+    @model_validator(mode="after")
+    def long_enough(self):
+        if self.seq_len <= self.num_heads + 1:
+            raise ValueError(f"seq_len ({self.seq_len}) must exceed num_heads + 1 ({self.num_heads + 1}).")
+        return self
 
 
 class ResBlock(nn.Module):
@@ -155,7 +185,7 @@ class PrefixLayer(nn.Module):
         self.gamma = nn.Parameter(torch.zeros(self.config.hidden_size))
 
     @classmethod
-    def from_target(cls, target) -> "PrefixLayer":
+    def from_target(cls, target) -> PrefixLayer:
         layer = cls(target.config)
         src = target.base_model
         name, mine = _layer_list(layer.body)
@@ -257,8 +287,6 @@ def train_heads(target, tokenizer, kind: str, recipe: DictConfig) -> tuple[Heads
     K, bs = int(recipe.num_heads), int(recipe.batch_size)
     train = token_chunks(tokenizer, corpus(recipe.corpus, "train"), recipe.seq_len, recipe.max_tokens).to(device)
     held = token_chunks(tokenizer, corpus(recipe.corpus, "test"), recipe.seq_len, recipe.eval_tokens).to(device)
-    if recipe.seq_len <= K + 1:
-        raise BenchError(f"recipe.seq_len ({recipe.seq_len}) must exceed num_heads + 1 ({K + 1}).")
     topk = int(recipe.topk) if recipe.loss == "teacher" else 1
     hidden, idx, prob = teacher_pass(target, train, topk, bs, f"{kind}: target labels", with_hidden=True)
     held_hidden, held_idx, _ = teacher_pass(target, held, 1, bs, f"{kind}: held-out labels", with_hidden=True)

@@ -11,21 +11,45 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
+from typing import Literal, get_args
 
 import numpy as np
 import torch
 from omegaconf import DictConfig
+from pydantic import Field
 from torch import nn
 from tqdm.auto import tqdm
 
 from bench.artifacts import Artifact, load_or_build, model_fingerprint, report_of
-from decoding.corpus import corpus
+from bench.schema import Settings
+from decoding.corpus import Corpus, corpus
 from decoding.distill import token_chunks
 from decoding.training import fit
 
 log = logging.getLogger(__name__)
 
-LABELS = ("greedy", "sampling")
+Label = Literal["greedy", "sampling"]
+LABELS = get_args(Label)
+
+
+class VerifierRecipe(Settings):
+    """How SPRINTER's verifier is trained; the trained verifier is cached per (target, draft, recipe)."""
+
+    corpus: Corpus = Field("lee", description="packaged training text (held-out: that corpus's test split)")
+    max_tokens: int = Field(16384, ge=1, description="teacher-forced training positions (one example each)")
+    eval_tokens: int = Field(4096, ge=1, description="held-out positions for the report")
+    seq_len: int = Field(256, ge=2, description="tokens per training sequence")
+    batch_size: int = Field(4, ge=1, description="sequences per teacher-forced forward")
+    label: Label = Field("greedy", description="greedy: target argmax == draft token; sampling: q(x) <= p(x) "
+                         "with x drawn from q")
+    temperature: float = Field(1.0, gt=0, description="for sampling labels only")
+    probs: bool = Field(True, description="add the draft's top probability and entropy to its last hidden state")
+    width: int = Field(256, ge=0, description="MLP hidden width (0 = logistic regression)")
+    epochs: int = Field(8, ge=1, description="passes over the training examples")
+    train_batch: int = Field(512, ge=1, description="examples per optimiser step")
+    lr: float = Field(1.0e-3, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
+    seed: int = Field(0, ge=0, description="seeds initialisation, data order and sampled labels")
 
 class Verifier(nn.Module):
     """Scores draft tokens: features ``(..., d_in)`` -> logit ``(...)`` of "the target accepts this token".
@@ -131,7 +155,7 @@ def classification_report(scores: np.ndarray, labels: np.ndarray, threshold: flo
     pred = scores >= threshold
     tp, fp = int((pred & labels).sum()), int((pred & ~labels).sum())
     fn, tn = int((~pred & labels).sum()), int((~pred & ~labels).sum())
-    ratio = lambda a, b: a / b if b else math.nan  # noqa: E731 - a zero denominator gives NaN
+    ratio = lambda a, b: a / b if b else math.nan
     return {
         "threshold": threshold,
         "accuracy": ratio(tp + tn, len(labels)),

@@ -21,6 +21,7 @@ Subclasses (``methods/medusa.py``, ``methods/hydra.py``) set ``kind`` and implem
 from __future__ import annotations
 
 import torch
+from pydantic import Field, NonNegativeInt, model_validator
 from transformers import DynamicCache
 
 from bench.errors import BenchError
@@ -28,14 +29,48 @@ from decoding.sampling import Sampling, probs_from_logits, sample
 from decoding.tree import Tree
 from methods._heads import (
     KINDS,
-    LOSSES,
     CountedHeads,
     CountedPrefix,
+    HeadsRecipe,
     load_or_train_heads,
 )
-from methods.base import Decoding, Draft, DraftVerify
+from methods.base import Decoding, Draft, DraftVerify, MethodSettings
 
-_RECIPE_POSITIVE = ("num_heads", "vocab", "max_tokens", "eval_tokens", "seq_len", "batch_size", "epochs", "topk")
+# Medusa's default sparse tree shape, as rank paths: 19 candidates + the root = 20 tokens scored per target
+# call, depth 4.
+DEFAULT_TREE = [[0], [1], [2], [3],
+                [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0],
+                [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 0, 2],
+                [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [0, 1, 0, 0]]
+
+
+class TreeHeadsSettings(MethodSettings):
+    """Settings of Medusa, Hydra and Hydra++ (``method.*``)."""
+
+    tree: list[list[NonNegativeInt]] = Field(
+        default_factory=lambda: [list(p) for p in DEFAULT_TREE], min_length=1,
+        description="candidate tree as rank paths: [r1, ..., rd] = the r_d-th best proposal of head d-1 under "
+        "the path [r1 .. r_{d-1}]; the root (the target's own next token) is implicit; every path's prefix "
+        "must be listed too")
+    typical: bool = Field(False, description="Medusa's typical acceptance when temperature > 0: LOSSY "
+                          "(records say so)")
+    posterior_threshold: float = Field(0.09, gt=0, le=1, description="typical acceptance: epsilon, a hard floor "
+                                       "on p_target(candidate)")
+    posterior_alpha: float = Field(0.3, gt=0, le=1, description="typical acceptance: delta, scales "
+                                   "exp(-entropy of the target's distribution)")
+    recipe: HeadsRecipe = Field(default_factory=HeadsRecipe, description="how the heads are trained")
+
+    @model_validator(mode="after")
+    def tree_fits_heads(self):
+        """Every path's prefix is listed, and the tree is no deeper than there are heads."""
+        try:
+            depth = Tree.from_paths(self.tree).max_depth
+        except BenchError as err:
+            raise ValueError(str(err)) from None
+        if depth > self.recipe.num_heads:
+            raise ValueError(f"tree is {depth} deep but there are only {self.recipe.num_heads} heads "
+                             "(recipe.num_heads).")
+        return self
 
 
 def typical_path(tree: Tree, logits: torch.Tensor, sampling: Sampling, generator, threshold: float,
@@ -58,12 +93,12 @@ def typical_path(tree: Tree, logits: torch.Tensor, sampling: Sampling, generator
 
 class TreeHeadsMethod(DraftVerify):
     kind = "?"
+    Config = TreeHeadsSettings
     hidden = True  # the heads read the target's last hidden states
 
     def __init__(self, cfg, pair):
         super().__init__(cfg, pair)
-        self.check(cfg)
-        self.shape = Tree.from_paths(cfg.tree)
+        self.shape = Tree.from_paths(self.cfg.tree)
         self.shapes = {d: self.shape.prune(d) for d in range(self.shape.max_depth + 1)}  # pruned near the budget
         self.report: dict = {}
         self.heads: CountedHeads | None = None
@@ -71,31 +106,7 @@ class TreeHeadsMethod(DraftVerify):
 
     def is_lossless(self, sampling) -> bool:
         # Typical acceptance keeps tokens the target would not have sampled; at temperature 0 it is the greedy rule.
-        return not (self.cfg.get("typical", False) and not sampling.greedy)
-
-    @classmethod
-    def check(cls, cfg) -> None:
-        """Bad settings, before any model loads: one sentence each."""
-        recipe = cfg.get("recipe")
-        if recipe is None or cfg.get("tree") is None:
-            raise BenchError(f"method '{cfg.name}' needs 'tree' and 'recipe' settings (see configs/method/{cfg.name}.yaml).")
-        for key in _RECIPE_POSITIVE:
-            if int(recipe[key]) < 1:
-                raise BenchError(f"method.recipe.{key} must be at least 1, got {recipe[key]}.")
-        if recipe.loss not in LOSSES:
-            raise BenchError(f"method.recipe.loss must be one of {', '.join(LOSSES)}, got '{recipe.loss}'.")
-        if not float(recipe.lr) > 0:
-            raise BenchError(f"method.recipe.lr must be > 0, got {recipe.lr}.")
-        if not isinstance(recipe.get("prefix_layer", False), bool):
-            raise BenchError(f"method.recipe.prefix_layer must be true or false, got {recipe.get('prefix_layer')!r}.")
-        tree = Tree.from_paths(cfg.tree)
-        if len(tree) == 1:
-            raise BenchError("method.tree must hold at least one path.")
-        if tree.max_depth > int(recipe.num_heads):
-            raise BenchError(f"method.tree is {tree.max_depth} deep but there are only {recipe.num_heads} heads (method.recipe.num_heads).")
-        for key in ("posterior_threshold", "posterior_alpha"):
-            if not 0 < float(cfg.get(key, 0.1)) <= 1:
-                raise BenchError(f"method.{key} must be in (0, 1], got {cfg.get(key)}.")
+        return not (self.cfg.typical and not sampling.greedy)
 
     def setup(self, train_if_missing: bool = True) -> None:
         if self.kind not in KINDS:
@@ -141,7 +152,7 @@ class TreeHeadsMethod(DraftVerify):
             self.setup(train_if_missing=False)
         self.memory = DynamicCache() if self.prefix is not None else None  # the prefix layer's own KV cache
         self.input = self.heads_input(st.prompt_hidden, self.memory)
-        self.typical = bool(self.cfg.get("typical", False)) and not st.sampling.greedy
+        self.typical = bool(self.cfg.typical) and not st.sampling.greedy
         self.nodes: list[int] = []
 
     def propose(self, st: Decoding) -> Draft:
@@ -166,6 +177,6 @@ class TreeHeadsMethod(DraftVerify):
             "tree_tokens_per_call": sum(self.nodes) / len(self.nodes) if self.nodes else float("nan"),  # as scored
             "verify": "greedy" if st.sampling.greedy else ("typical" if self.typical else "tree"),
         }
-        if self.cfg.get("typical", False):
+        if self.cfg.typical:
             extra["typical"] = True  # lossy when sampling: outputs are not distributed as the target's
         return extra

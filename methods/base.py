@@ -15,27 +15,28 @@ pending one, fed with the next step's proposal), so a rejected proposal is dropp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+from pydantic import Field
 from transformers import DynamicCache
 
 from bench.counting import truncate_cache
 from bench.errors import BenchError
 from bench.models import Pair
+from bench.schema import Settings, as_config, check
 from decoding.sampling import Sampling, next_token
 from decoding.tree import Tree, keep_path, score_tree
 from decoding.verify import verify_chain, verify_tree
 
 
-def at_least(cfg: DictConfig, minimum: int, *keys: str) -> None:
-    """Each of ``keys`` (a count of tokens, steps, ...) must be a whole number >= ``minimum``: one sentence."""
-    for key in keys:
-        if int(cfg[key]) < minimum:
-            raise BenchError(f"method.{key} must be at least {minimum}, got {cfg[key]}.")
+class MethodSettings(Settings):
+    """A method's settings (``method.*``); each method declares its own as a subclass, ``Config``, in its file."""
+
+    name: str = Field("", description="the method, as registered (method=<name> sets it)")
 
 
 @dataclass
@@ -67,14 +68,30 @@ class Method:
     name: str = "?"
     lossless: bool = True
     drafts: int = 0
+    Config: type[MethodSettings] = MethodSettings  # its settings: types, ranges, defaults, meanings
 
-    def __init__(self, cfg: DictConfig, pair: Pair):
-        self.cfg = cfg
+    def __init__(self, cfg: DictConfig | dict, pair: Pair):
+        self.cfg = self.settings(cfg)  # validated, defaults filled in: the same checks as the command line
         self.pair = pair
 
     @classmethod
-    def check(cls, cfg: DictConfig) -> None:
-        """The method's own constraints on its settings, before any model loads: one sentence each."""
+    def check_settings(cls, cfg: DictConfig | dict) -> MethodSettings:
+        """``cfg`` (the ``method`` node, or part of it) checked against :attr:`Config`, defaults filled in."""
+        data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+        data.setdefault("name", cls.name)
+        return check(cls.Config, data, "method", f"method={cls.name}")
+
+    @classmethod
+    def check_pair(cls, settings: MethodSettings, pair) -> None:
+        """Rules between the method's settings and the pair's (``bench.models.PairSettings``), before any model
+        loads: by default, a method that runs a draft needs a pair with one. One sentence on a problem."""
+        if cls.drafts and not pair.drafts:
+            raise BenchError(f"method={cls.name} runs a draft model but pair={pair.name} has none.")
+
+    @classmethod
+    def settings(cls, cfg: DictConfig | dict) -> DictConfig:
+        """:meth:`check_settings` as the ``DictConfig`` the method reads."""
+        return as_config(cls.check_settings(cfg))
 
     def setup(self, train_if_missing: bool = True) -> None:
         """Load (or build, when missing) what the method needs beyond the pair: heads, verifier, tables."""
@@ -134,7 +151,7 @@ class Draft:
     rows: int = 0
 
     @classmethod
-    def chain(cls, pending: int, tokens, q: torch.Tensor | None = None) -> "Draft":
+    def chain(cls, pending: int, tokens, q: torch.Tensor | None = None) -> Draft:
         """A single path; ``q``: ``(len(tokens), vocab)`` when the tokens were sampled (None: deterministic)."""
         tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
         if q is not None:

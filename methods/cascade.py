@@ -27,17 +27,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field, NonNegativeInt, model_validator
 from transformers import DynamicCache
 
 from bench.counting import truncate_cache
 from bench.errors import BenchError
 from bench.metrics import ratio
 from bench.registry import register
-from decoding.corpus import check_corpus
-from decoding.ngram import NGramIndex, check_ngram_sizes, load_bigram_table
+from decoding.corpus import Corpus
+from decoding.ngram import NGramIndex, load_bigram_table, ngram_sizes
 from decoding.sampling import probs_from_logits
 from decoding.verify import verify_chain
-from methods.base import Decoding, Draft, DraftVerify
+from methods.base import Decoding, Draft, DraftVerify, MethodSettings
 
 # Default k-matrices by the number of levels (target, drafts..., statistical): row i lists how many tokens
 # each lower level contributes to one proposal that level i reviews. A level asked for n tokens reviews
@@ -115,37 +116,45 @@ class Cascade(DraftVerify):
     lossless = True
     drafts = 2  # at most: a pair with one draft gives a three-level cascade
 
+    class Config(MethodSettings):
+        k_matrix: list[list[NonNegativeInt]] | None = Field(
+            None, description="row i: tokens each lower level adds to a proposal level i reviews (a level asked "
+            "for n tokens reviews at most n - 1 per forward); null = by level count: target, draft, stat: "
+            "[[4, 1], [3]]; with pair.drafts[1]: [[4, 2, 1], [2, 1], [1]]")
+        lenience: int = Field(1, ge=1, description="inner reviews (greedy only): accept a token in the "
+                              "reviewer's top-lenience; 1 = strict")
+        max_ngram: int = Field(3, ge=1, description="statistical level: longest n-gram of the text matched first ...")
+        min_ngram: int = Field(1, ge=1, description="... down to this one; no match: the bigram chain")
+        corpus: Corpus = Field("lee", description="packaged text of the bigram table")
+
+        @model_validator(mode="after")
+        def sizes(self):
+            return ngram_sizes(self)
+
+        @model_validator(mode="after")
+        def triangle(self):
+            """Row i has one count per level below level i: a triangle, e.g. [[4, 1], [3]]."""
+            k = self.k_matrix
+            if k is not None and not (k and all(len(r) == len(k) - i for i, r in enumerate(k))):
+                raise ValueError(f"k_matrix must be a triangle of rows (one per reviewing level, row i with one "
+                                 f"count per level below it, e.g. [[4, 1], [3]]), got {k}.")
+            return self
+
     @classmethod
-    def check(cls, cfg) -> None:
-        check_ngram_sizes(cfg)
-        if int(cfg.lenience) < 1:
-            raise BenchError(f"method.lenience must be at least 1 (1 = strict inner reviews), got {cfg.lenience}.")
-        check_corpus(cfg.corpus)
-        k = cfg.get("k_matrix")
-        if k is None:
-            return
-        try:
-            rows = [list(r) for r in k]
-        except TypeError:  # a number where a row (or the matrix) should be
-            rows = []
-        shape_ok = bool(rows) and all(len(r) == len(rows) - i for i, r in enumerate(rows))
-        if not shape_ok:
-            raise BenchError(f"method.k_matrix must be a triangle of rows (one per reviewing level, row i with one "
-                             f"count per level below it, e.g. [[4, 1], [3]]), got {k}.")
-        if not all(isinstance(x, int) and x >= 0 for r in rows for x in r):
-            raise BenchError(f"method.k_matrix entries must be whole numbers >= 0, got {k}.")
+    def check_pair(cls, settings, pair) -> None:
+        super().check_pair(settings, pair)
+        levels = 1 + len(pair.drafts[:2])  # the levels that review: the target and up to two drafts
+        if settings.k_matrix is not None and len(settings.k_matrix) != levels:
+            raise BenchError(f"method.k_matrix has {len(settings.k_matrix)} rows but pair={pair.name} gives {levels} "
+                             f"reviewing levels (the target and {levels - 1} draft(s)).")
 
     def setup(self, train_if_missing: bool = True) -> None:
-        self.check(self.cfg)
         self.bigram = load_bigram_table(self.pair.tokenizer, self.pair.target.module.config.vocab_size,
                                         self.cfg.corpus, self.pair.cache)
         _ = self.pair.draft  # a pair without a draft model raises its one-sentence error here
         n_levels = 1 + len(self.pair.drafts[:2]) + 1
-        k = self.cfg.get("k_matrix")
+        k = self.cfg.k_matrix
         self.k = [list(r) for r in k] if k is not None else DEFAULT_K[n_levels]
-        if len(self.k) != n_levels - 1:
-            raise BenchError(f"method.k_matrix has {len(self.k)} rows but pair '{self.pair.name}' gives "
-                             f"{n_levels - 1} reviewing levels (target and {len(self.pair.drafts[:2])} draft(s)).")
 
     # --------------------------------------------------------------------------------------- the cascade
 

@@ -21,18 +21,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
+from pydantic import Field, field_validator, model_validator
 
 from bench.errors import BenchError
 from bench.metrics import ratio
 from bench.registry import register
-from decoding.corpus import check_corpus
-from decoding.ngram import NGramIndex, check_ngram_sizes, load_corpus_ngrams
+from bench.schema import Settings
+from decoding.corpus import Corpus
+from decoding.ngram import NGramIndex, load_corpus_ngrams, ngram_sizes
 from decoding.tree import Tree
-from methods.base import Decoding, Draft, DraftVerify, at_least
+from methods.base import Decoding, Draft, DraftVerify, MethodSettings
 
-DATABASES = ("context", "model", "statistics")
+Database = Literal["context", "model", "statistics"]
+DATABASES = get_args(Database)
 
 
 def load_records_db(path: str, pair_name: str) -> list[tuple[tuple[int, ...], list[int]]]:
@@ -72,27 +76,48 @@ def load_or_build_model_db(pair, settings, build_if_missing: bool) -> list[list[
     return load_or_build(art, pair.cache, build_if_missing)
 
 
+class ModelDB(Settings):
+    """Hierarchy's model database: the target's own answers to packaged instructions."""
+
+    prompts: int = Field(32, ge=0, description="how many answers (0: none; the in-process history and "
+                         "model_db_file still count)")
+    max_new_tokens: int = Field(128, ge=1, description="tokens per answer at most")
+    batch_size: int = Field(16, ge=1, description="answers generated per batch")
+    seed: int = Field(0, ge=0, description="which instructions are drawn")
+
+
 @register("hierarchy")
 class Hierarchy(DraftVerify):
     lossless = True
 
-    @classmethod
-    def check(cls, cfg) -> None:
-        check_ngram_sizes(cfg)
-        check_ngram_sizes(cfg, "stat_max_ngram", "stat_min_ngram")
-        at_least(cfg, 1, "draft_len", "num_candidates")
-        check_corpus(cfg.corpus)
-        bad = [db for db in cfg.databases if db not in DATABASES]
-        if bad or not cfg.databases:
-            raise BenchError(f"method.databases must list some of {', '.join(DATABASES)}, got {list(cfg.databases)}.")
-        if int(cfg.model_db.prompts) < 0 or int(cfg.model_db.max_new_tokens) < 1:
-            raise BenchError("method.model_db needs prompts >= 0 and max_new_tokens >= 1.")
-        path = cfg.get("model_db_file")
-        if path and not Path(str(path)).expanduser().is_file():
-            raise BenchError(f"method.model_db_file '{path}' does not exist.")
+    class Config(MethodSettings):
+        databases: list[Database] = Field(list(DATABASES), min_length=1,
+                                          description="queried in this order until num_candidates are found")
+        num_candidates: int = Field(6, ge=1, description="candidate continuations per target call at most")
+        draft_len: int = Field(6, ge=1, description="tokens per candidate at most")
+        max_ngram: int = Field(3, ge=1, description="context and model databases: longest n-gram matched first ...")
+        min_ngram: int = Field(1, ge=1, description="... down to this one")
+        stat_max_ngram: int = Field(2, ge=1, description="statistics database: longest n-gram of its table")
+        stat_min_ngram: int = Field(1, ge=1, description="statistics database: shortest n-gram of its table")
+        corpus: Corpus = Field("lee", description="packaged text of the statistics database")
+        model_db: ModelDB = Field(default_factory=lambda: ModelDB(), description="the target's greedy answers "
+                                  "to packaged instructions, generated once and cached")
+        model_db_file: str | None = Field(None, description="optional records.jsonl of an earlier run on the same "
+                                          "pair: its outputs join the model database")
+
+        @model_validator(mode="after")
+        def sizes(self):
+            ngram_sizes(self)
+            return ngram_sizes(self, "stat_min_ngram", "stat_max_ngram")
+
+        @field_validator("model_db_file")
+        @classmethod
+        def existing_file(cls, path):
+            if path and not Path(path).expanduser().is_file():
+                raise ValueError(f"no such file '{path}'.")
+            return path
 
     def setup(self, train_if_missing: bool = True) -> None:
-        self.check(self.cfg)
         cfg = self.cfg
         self.stats = None
         if "statistics" in cfg.databases:

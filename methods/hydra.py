@@ -15,10 +15,12 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
+from pydantic import Field
 
 from bench.registry import register
 from decoding.tree import Tree
-from methods._tree_heads import TreeHeadsMethod
+from methods._heads import HeadsRecipe
+from methods._tree_heads import TreeHeadsMethod, TreeHeadsSettings
 
 
 @lru_cache(maxsize=64)
@@ -55,5 +57,10 @@ class Hydra(TreeHeadsMethod):
 
 @register("hydra_pp")
 class HydraPP(Hydra):
-    """Hydra++: Hydra's heads and decoding; the recipe (configs/method/hydra_pp.yaml) adds the teacher loss and
-    the prefix layer, which the shared loop runs when the recipe has one."""
+    """Hydra++: Hydra's heads and decoding; its recipe adds the teacher loss and the prefix layer, which the
+    shared loop runs when the recipe has one."""
+
+    class Config(TreeHeadsSettings):
+        recipe: HeadsRecipe = Field(default_factory=lambda: HeadsRecipe(loss="teacher", prefix_layer=True),
+                                    description="how the heads are trained (Hydra++: the teacher loss and the "
+                                    "prefix layer)")

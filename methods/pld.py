@@ -10,20 +10,26 @@ rejection resamples from p with x removed. Lossless: greedy output equals ``ar``
 
 from __future__ import annotations
 
+from pydantic import Field, model_validator
+
 from bench.metrics import ratio
 from bench.registry import register
-from decoding.ngram import NGramIndex, check_ngram_sizes
-from methods.base import Decoding, Draft, DraftVerify, at_least
+from decoding.ngram import NGramIndex, ngram_sizes
+from methods.base import Decoding, Draft, DraftVerify, MethodSettings
 
 
 @register("pld")
 class PLD(DraftVerify):
     lossless = True
 
-    @classmethod
-    def check(cls, cfg) -> None:
-        check_ngram_sizes(cfg)
-        at_least(cfg, 1, "draft_len")
+    class Config(MethodSettings):
+        max_ngram: int = Field(3, ge=1, description="longest n-gram of the text matched first ...")
+        min_ngram: int = Field(1, ge=1, description="... down to this one")
+        draft_len: int = Field(10, ge=1, description="tokens proposed per target call at most")
+
+        @model_validator(mode="after")
+        def sizes(self):
+            return ngram_sizes(self)
 
     def start(self, st: Decoding) -> None:
         self.index = NGramIndex(int(self.cfg.min_ngram), int(self.cfg.max_ngram))

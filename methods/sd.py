@@ -9,13 +9,13 @@ never recomputed. Lossless: greedy output equals ``ar``; sampled output is distr
 from __future__ import annotations
 
 import torch
+from pydantic import Field, model_validator
 from transformers import DynamicCache
 
 from bench import metrics
-from bench.errors import BenchError
 from bench.registry import register
 from decoding.sampling import probs_from_logits, sample
-from methods.base import Decoding, Draft, DraftVerify, at_least
+from methods.base import Decoding, Draft, DraftVerify, MethodSettings
 
 
 def draft_chain(draft, cache, pending: list[int], gamma: int, sampling, generator, device, confidence: float = 0.0):
@@ -51,11 +51,21 @@ class SD(DraftVerify):
     lossless = True
     drafts = 1
 
-    @classmethod
-    def check(cls, cfg) -> None:
-        at_least(cfg, 1, "gamma", "gamma_min", "gamma_max")
-        if not 0 <= float(cfg.get("confidence", 0.0)) <= 1:
-            raise BenchError(f"method.confidence must be in [0, 1] (0: always draft gamma tokens), got {cfg.confidence}.")
+    class Config(MethodSettings):
+        gamma: int = Field(4, ge=1, description="tokens drafted per target call")
+        confidence: float = Field(0.0, ge=0, le=1, description="stop drafting after a token the draft gives "
+                                  "probability < confidence (still proposed; transformers' "
+                                  "assistant_confidence_threshold); 0 = always gamma tokens")
+        adaptive: bool = Field(False, description="adapt gamma per step (Hugging Face's heuristic: +2 after a "
+                               "full accept, -1 otherwise)")
+        gamma_min: int = Field(1, ge=1, description="adaptive: the smallest gamma")
+        gamma_max: int = Field(12, ge=1, description="adaptive: the largest gamma")
+
+        @model_validator(mode="after")
+        def gamma_range(self):
+            if self.adaptive and not self.gamma_min <= self.gamma_max:
+                raise ValueError(f"gamma_min ({self.gamma_min}) must not exceed gamma_max ({self.gamma_max}).")
+            return self
 
     @classmethod
     def analytic_speedup(cls, alpha: float, gamma: float, c: float) -> float:
@@ -75,11 +85,11 @@ class SD(DraftVerify):
             return Draft.chain(st.seq[-1], [])
         pending = st.seq[self.dcache.get_seq_length():]
         tokens, q = draft_chain(self.pair.draft, self.dcache, pending, k, st.sampling, st.generator, st.device,
-                                float(self.cfg.get("confidence", 0.0)))
+                                float(self.cfg.confidence))
         return Draft.chain(st.seq[-1], tokens, q)
 
     def accepted(self, st: Decoding, draft: Draft, path: list[int], hidden) -> None:
-        if self.cfg.get("adaptive", False):
+        if self.cfg.adaptive:
             # Hugging Face's heuristic schedule: lengthen after a full accept, shorten otherwise.
             full = len(path) - 1 == draft.depth
             self.gamma = min(self.gamma + 2, int(self.cfg.gamma_max)) if full else max(self.gamma - 1, int(self.cfg.gamma_min))

@@ -9,9 +9,9 @@ is applied to that last token only: it is kept and the target adds a bonus token
 the target's own (resampled) token. The earlier tokens of the run stand without a target check.
 
 LOSSY: tokens the verifier lets through are never checked, so greedy output may differ from ``ar``;
-``bench/quality.py`` measures by how much. With ``threshold`` above 1 every token is flagged and the
-method is exactly SD with gamma = 1 (a test checks it); with ``threshold: 0`` nothing is flagged and the
-target checks only every ``max_run``-th token.
+``bench/quality.py`` measures by how much. With ``threshold: 1`` every token is flagged (a score never
+exceeds 1) and the method is exactly SD with gamma = 1 (a test checks it); with ``threshold: 0`` nothing is
+flagged (short of a score of exactly 0) and the target checks only every ``max_run``-th token.
 
 The verifier is trained once per (target, draft, recipe) by :func:`train_verifier` and cached under
 ``cache_dir/verifiers/``: the draft and the target read packaged text teacher-forced, the draft's own
@@ -20,11 +20,10 @@ token at each position is the candidate, and the label says whether the target w
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import torch
-from omegaconf import DictConfig
+from pydantic import Field
 from transformers import DynamicCache
 
 from bench.counting import CountedModule
@@ -34,13 +33,13 @@ from decoding.sampling import next_token, probs_from_logits, sample
 from decoding.tree import Tree
 from decoding.verify import verify_chain
 from methods._sprinter_verifier import (
-    LABELS,
+    VerifierRecipe,
     draft_forward,
     features,
     load_or_train_verifier,
     verifier_dir,
 )
-from methods.base import Decoding, Draft, DraftVerify, at_least
+from methods.base import Decoding, Draft, DraftVerify, MethodSettings
 
 
 @register("sprinter")
@@ -48,25 +47,12 @@ class Sprinter(DraftVerify):
     lossless = False  # unchecked tokens stand: see the module docstring and bench/quality.py
     drafts = 1
 
-    @classmethod
-    def check(cls, cfg: DictConfig) -> None:
-        try:
-            threshold = float(cfg.get("threshold"))
-        except (TypeError, ValueError):
-            threshold = math.nan
-        if not threshold >= 0:
-            raise BenchError(f"method.threshold must be a number >= 0 (above 1 every token is checked), got {cfg.get('threshold')}.")
-        at_least(cfg, 1, "max_run")
-        recipe = cfg.verifier
-        if recipe.label not in LABELS:
-            raise BenchError(f"method.verifier.label must be one of {', '.join(LABELS)}, got '{recipe.label}'.")
-        if recipe.label == "sampling" and not float(recipe.temperature) > 0:
-            raise BenchError(f"method.verifier.temperature must be > 0 for sampling labels, got {recipe.temperature}.")
-        for key in ("max_tokens", "eval_tokens", "seq_len", "batch_size", "epochs", "train_batch"):
-            if int(recipe[key]) < 1:
-                raise BenchError(f"method.verifier.{key} must be at least 1, got {recipe[key]}.")
-        if int(recipe.width) < 0:
-            raise BenchError(f"method.verifier.width must be >= 0 (0 = logistic regression), got {recipe.width}.")
+    class Config(MethodSettings):
+        threshold: float = Field(0.5, ge=0, le=1, description="keep drafting while the verifier's score > "
+                                 "threshold; higher = more target checks (0: never flag, the target checks "
+                                 "every max_run-th token; 1: every token, = SD with gamma 1)")
+        max_run: int = Field(8, ge=1, description="most tokens drafted per target call")
+        verifier: VerifierRecipe = Field(default_factory=VerifierRecipe, description="the verifier's training recipe")
 
     def setup(self, train_if_missing: bool = True) -> None:
         model, self.report = load_or_train_verifier(self.pair, self.cfg.verifier, train_if_missing)
@@ -101,7 +87,7 @@ class Sprinter(DraftVerify):
             if tokens[-1] in self.eos_ids:
                 return tokens, q, "eos"  # an end of answer is always checked, never waved through
             score = torch.sigmoid(self.verifier(features(hidden, logits, use_probs).unsqueeze(0)))[0]
-            if float(score) < threshold:
+            if float(score) <= threshold:  # the paper flags below the threshold; <= makes 1.0 flag all
                 return tokens, q, "flagged"
             x = tok.view(1, 1)
         return tokens, q, "budget"  # limit == 0: nothing drafted

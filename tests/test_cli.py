@@ -52,21 +52,30 @@ def test_run_writes_records_and_provenance(tiny_run):
     (["method=nope"], "unknown method 'nope'; choose one of:"),
     (["pair=nope"], "unknown pair 'nope'"),
     (["dataset=nope"], "unknown dataset 'nope'"),
-    (["method.gamma=0"], "method.gamma must be at least 1"),
-    (["method.confidence=1.5"], "method.confidence must be in [0, 1]"),
-    (["temperature=-1"], "temperature must be >= 0"),
-    (["max_new_tokens=0"], "max_new_tokens must be at least 1"),
-    (["top_p=1.5"], "top_p must be in (0, 1]"),
-    (["top_p=0"], "top_p must be in (0, 1]"),
-    (["pair=gpt2", "pair.target.id=/does/not/exist"], "model path '/does/not/exist' does not exist"),
+    (["method.gamma=0"], "method.gamma=0 is not allowed; it takes an integer >= 1"),
+    (["temperature=nan"], "temperature=nan is not allowed; it takes a number >= 0"),
+    (["max_new_tokens=abc"], "max_new_tokens='abc' is not allowed; it takes an integer >= 1"),
+    (["method=medusa", "method.num_heads=3"], "unknown key method.num_heads; method=medusa has: name, tree,"),
+    (["pair=gpt2", "pair.target.id=/does/not/exist"], "model folder '/does/not/exist' does not exist"),
 ])
-def test_bad_input_one_sentence_nonzero_exit_no_results(tmp_path, cache_dir, args, needle):
+def test_bad_input_one_sentence_exit_2_nothing_written(tmp_path, cache_dir, args, needle):
+    """The real command line: one sentence on stderr, exit status 2, and not even the run directory."""
     out = tmp_path / "run"
     res = bench("run", "pair=tiny", *args, f"hydra.run.dir={out}", cache_dir=cache_dir, timeout=300)
-    assert res.returncode != 0
-    assert needle in res.stderr
-    assert "Traceback" not in res.stderr
-    assert not (out / "records.jsonl").exists()
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith("error: ") and needle in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_a_sweep_is_checked_job_by_job_before_any_starts(tmp_path, cache_dir):
+    """One bad job in a -m sweep stops the whole sweep before Hydra creates its directory."""
+    out = tmp_path / "sweep"
+    res = bench("run", "-m", "pair=tiny", "method=sd,pld", "method.draft_len=0,2", f"hydra.sweep.dir={out}",
+                cache_dir=cache_dir, timeout=300)
+    assert res.returncode == 2
+    # Jobs are method x draft_len: sd has no draft_len (its node's keys are listed), checked before pld's 0.
+    assert "unknown key method.draft_len; method=sd has:" in res.stderr
+    assert not out.exists()
 
 
 def test_unknown_command(cache_dir):

@@ -156,8 +156,8 @@ def test_sampling_verifies_the_tree_and_typical_is_lossy(pair):
 @pytest.mark.parametrize("over, words", [
     ({"tree": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]]}, "only 4 heads"),
     ({"tree": [[0], [1, 0]]}, "no parent"),
-    ({"tree": [[0], [-1]]}, "ranks >= 0"),
-    ({"tree": []}, "at least one path"),
+    ({"tree": [[0], [-1]]}, r"method.tree.1.0=-1 is not allowed"),
+    ({"tree": []}, r"method.tree=\[\] is not allowed"),
     ({"tree": "wide"}, "list of lists"),
     ({"recipe": {"loss": "mse"}}, "recipe.loss"),
     ({"recipe": {"num_heads": 0}}, "num_heads"),

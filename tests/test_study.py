@@ -86,9 +86,11 @@ def test_gsm8k_references_are_final_answers_and_budget(compose_cfg, tiny_pair):
     text = tiny_pair.tokenizer.decode(encode(prompts[0], tiny_pair.tokenizer, cfg.dataset.template))
     assert "step by step" in text and "Janet" in text
     # The dataset's budget applies unless the command line gives one.
-    assert cfg.max_new_tokens == 256
-    assert compose_cfg("dataset=gsm8k", "max_new_tokens=32").max_new_tokens == 32
-    assert compose_cfg("dataset=default").max_new_tokens == 128
+    from bench.validate import validate
+
+    assert validate(cfg).max_new_tokens == 256
+    assert validate(compose_cfg("dataset=gsm8k", "max_new_tokens=32")).max_new_tokens == 32
+    assert validate(compose_cfg("dataset=default")).max_new_tokens == 128
 
 
 def test_news_is_lee_test_articles(compose_cfg, tiny_pair):

@@ -1,0 +1,156 @@
+"""The config schema, walked: every key of every registered method (and the top level, the pair and the
+dataset) gets a wrong type, an out-of-range value and NaN through the real command line (in-process); each
+must end in exit status 2 with one sentence naming the key, before any model loads or any file is written.
+A method added later is walked with no new test."""
+
+import typing
+
+import pytest
+
+from bench.__main__ import main
+from bench.cli import compose, show_main
+from bench.registry import get_method, known_methods
+from bench.schema import RunSettings, Settings, bounds, describe_type, rows
+from bench.validate import checked
+
+TINY = ["pair=tiny", "dataset.n_prompts=1", "max_new_tokens=2"]
+
+
+def leaves(node: Settings, prefix: str):
+    """``(dotted key, field declaration, value)`` of every leaf of a validated node."""
+    for name, field in type(node).model_fields.items():
+        value = getattr(node, name)
+        if isinstance(value, Settings):
+            yield from leaves(value, f"{prefix}{name}.")
+        elif isinstance(value, list) and value and isinstance(value[0], Settings):
+            for i, item in enumerate(value):
+                yield from leaves(item, f"{prefix}{name}.{i}.")
+        elif name not in ("name", "source"):  # a group option's own name / kind: chosen, not set
+            yield f"{prefix}{name}", field, value
+
+
+def base_type(field):
+    """The annotation without ``| None``."""
+    args = typing.get_args(field.annotation)
+    rest = [a for a in args if a is not type(None)]
+    return rest[0] if type(None) in args and len(rest) == 1 else field.annotation
+
+
+def bad_values(field) -> dict[str, str]:
+    """Override strings each of which the declaration must refuse: ``{why: value}``."""
+    kind = base_type(field)
+    out = {"wrong type": "[1,2]" if kind is str else "abc"}
+    b = bounds(field.metadata)
+    step = 1 if kind is int else 0.5
+    if "ge" in b:
+        out["below range"] = str(b["ge"] - step)
+    if "gt" in b:
+        out["at the open bound"] = str(b["gt"])
+    if "le" in b:
+        out["above range"] = str(b["le"] + step)
+    if any(getattr(m, "min_length", None) for m in field.metadata):
+        out["too short"] = "[]"
+    if kind is float:
+        out["nan"], out["infinity"] = "nan", "inf"
+    return out
+
+
+def cases():
+    """Every (group args, key, why, value) the walk tries, for every registered method and the other nodes."""
+    for name in known_methods():
+        node = get_method(name).check_settings({})
+        for key, field, _ in leaves(node, "method."):
+            for why, value in bad_values(field).items():
+                yield pytest.param([f"method={name}"], key, value, id=f"{name}:{key}:{why}")
+    nodes = checked(compose(TINY))
+    for group in ("", "pair", "dataset"):
+        for key, field, _ in leaves(nodes[group], f"{group}." if group else ""):
+            if key.startswith("pair.target.config") or key.endswith(".config"):
+                continue  # a mapping of LlamaConfig arguments: tested below
+            for why, value in bad_values(field).items():
+                yield pytest.param([], key, value, id=f"{group or 'top'}:{key}:{why}")
+
+
+@pytest.mark.parametrize("group,key,value", list(cases()))
+def test_every_key_refuses_bad_values_in_one_sentence(group, key, value, tmp_path, capsys):
+    code = main(["run", *TINY, *group, f"{key}={value}", f"hydra.run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, f"{key}={value} was accepted"
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert key.rsplit(".", 1)[-1] in err, err  # the sentence names the key
+    assert not (tmp_path / "run").exists()  # nothing written: not even the run directory
+
+
+def test_the_walk_covers_every_method_and_declares_every_number():
+    """Every numeric setting declares a range and every setting a meaning: the walk above has something to
+    try and ``show`` something to say."""
+    with_settings = {m for m in known_methods() if list(leaves(get_method(m).check_settings({}), ""))}
+    assert with_settings >= set(known_methods()) - {"ar"}  # ar has nothing to set
+    assert {c.values[0][0].removeprefix("method=") for c in cases() if c.values[0]} == with_settings
+    nodes = [get_method(n).check_settings({}) for n in known_methods()] + list(checked(compose(TINY)).values())
+    for node in nodes:
+        for key, field, _ in leaves(node, ""):
+            assert field.description, f"{type(node).__name__}.{key} has no meaning"
+            if base_type(field) in (int, float):
+                assert bounds(field.metadata), f"{type(node).__name__}.{key} declares no range"
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("method.recipe.num_heads=2", "tree is 4 deep but there are only 2 heads"),
+    ("method.tree=[[0],[1,0]]", "tree path [1, 0] has no parent [1]"),
+])
+def test_cross_key_rules_are_named_validators(override, needle, capsys):
+    assert main(["run", *TINY, "method=medusa", override]) == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["method=pld", "method.min_ngram=4"], "method=pld: min_ngram (4) must not exceed max_ngram (3)."),
+    (["method=cascade", "method.k_matrix=[[1]]"], "method.k_matrix has 1 rows but pair=tiny gives 2 reviewing levels"),
+    (["method=cascade", "method.k_matrix=[[4,1],[3,3]]"], "k_matrix must be a triangle of rows"),
+    (["method=sd", "pair.drafts=[]"], "method=sd runs a draft model but pair=tiny has none."),
+    (["method=sd", "method.adaptive=true", "method.gamma_min=5", "method.gamma_max=2"], "gamma_min (5) must not exceed"),
+    (["method.unknown=1"], "unknown key method.unknown; method=sd has: name, gamma, confidence,"),
+    (["+method.recipe.depth=1", "method=hydra"], "unknown key method.recipe.depth; method.recipe has: num_heads,"),
+    (["pair.target.config.hidden_sizes=3"], "config has keys LlamaConfig does not know: hidden_sizes"),
+    (["pair.target.source=hf"], "pair.target.source='hf' is not allowed; it takes one of: hub, gguf_package, random."),
+    (["dataset.template='Q: {question}'"], "template 'Q: {question}' cannot be filled"),
+    (["max_new_tokens=\"a"], "cannot parse the override 'max_new_tokens=\"a'"),
+    (["dataset.source=web"], "dataset.source='web' is not allowed; it takes one of:"),
+    (["baseline=nope"], "unknown method 'nope'"),
+    (["method=ar,sd"], "add -m to sweep over the values"),
+])
+def test_cross_node_and_structural_errors(args, needle, capsys):
+    assert main(["run", *TINY, *args]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_valid_values_pass_and_are_typed():
+    """The other side: good values pass, come back typed, and max_new_tokens falls back to the dataset's."""
+    cfg = checked(compose(["pair=tiny", "method=sprinter", "method.threshold=1", "temperature=1", "top_p=0.5"]))
+    assert cfg["method"].threshold == 1.0 and isinstance(cfg["method"].threshold, float)
+    assert checked(compose(["dataset=gsm8k"]))[""].max_new_tokens == 256
+    assert checked(compose(["dataset=gsm8k", "max_new_tokens=9"]))[""].max_new_tokens == 9
+
+
+@pytest.mark.parametrize("group", [*(f"method={m}" for m in known_methods()), "pair=tiny", "dataset=default", None])
+def test_show_prints_every_setting_from_the_schema(group, capsys):
+    assert show_main([group] if group else []) == 0
+    out = capsys.readouterr().out
+    if group is None:
+        node, prefix = RunSettings(), ""
+    else:
+        g, name = group.split("=")
+        node, prefix = checked(compose([group]))[g], f"{g}."
+    for row in rows(node):
+        if row["key"] not in ("name",):
+            assert f"| {prefix}{row['key']} " in out and row["meaning"].split()[0] in out
+
+
+def test_describe_type_reads_the_declaration():
+    fields = get_method("sd").Config.model_fields
+    assert describe_type(fields["gamma"]) == "an integer >= 1"
+    assert describe_type(fields["confidence"]) == "a number in [0, 1]"
+    assert describe_type(RunSettings.model_fields["top_p"]) == "a number in (0, 1]"
+    assert describe_type(RunSettings.model_fields["threads"]) == "an integer >= 1 or null"
