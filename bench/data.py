@@ -20,6 +20,7 @@ from typing import Callable, Literal
 from omegaconf import DictConfig
 from pydantic import Field, field_validator
 
+from bench import inputs
 from bench.errors import BenchError
 from bench.schema import Settings, check
 from decoding.corpus import lee_articles
@@ -181,22 +182,6 @@ def builtin_prompts(cfg: DictConfig) -> list[Prompt]:
 # ------------------------------------------------------------------------------------------- other sets
 
 
-def _read_text(location: str) -> str:
-    """Text of a local path or a URL (``http(s)://``, ``file://``)."""
-    if "://" in location:
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(location, timeout=60) as fh:
-                return fh.read().decode("utf-8")
-        except OSError as err:
-            raise BenchError(f"could not read '{location}': {err}.") from err
-    path = Path(location).expanduser()
-    if not path.exists():
-        raise BenchError(f"dataset file '{location}' does not exist.")
-    return path.read_text(encoding="utf-8")
-
-
 @source("spec_bench", SpecBenchDataset)
 def spec_bench_prompts(cfg: DictConfig) -> list[Prompt]:
     """Spec-Bench (Xia et al. 2024): 480 questions, MT-Bench's 80 multi-turn ones in their eight original
@@ -204,17 +189,12 @@ def spec_bench_prompts(cfg: DictConfig) -> list[Prompt]:
     in ``turns``; :func:`encode` decodes the first. ``reference`` (where the file has one) is the first
     turn's, to match."""
     prompts = []
-    for line in _read_text(str(cfg.path)).splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for row in inputs.read_question_file(str(cfg.path)):  # checked: one sentence per bad file or line
         ref = row.get("reference")
         if isinstance(ref, list):
             ref = ref[0] if ref else None
         prompts.append(Prompt(f"sb-{row['question_id']}", row["category"], list(row["turns"]), reference=ref,
                               meta={"question_id": row["question_id"], "turns": len(row["turns"])}))
-    if not prompts:
-        raise BenchError(f"dataset file '{cfg.path}' holds no questions.")
     return prompts
 
 

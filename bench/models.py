@@ -17,6 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from pydantic import Field, field_validator
 
+from bench import inputs
 from bench.artifacts import Artifact, file_sha256, load_or_build
 from bench.counting import Counted, CountedLM
 from bench.errors import BenchError
@@ -175,8 +176,8 @@ def hub_model(source: str, dtype: torch.dtype):
     """A causal LM by hub id or local path (the loading code users run with a hub)."""
     from transformers import AutoModelForCausalLM
 
-    if source.startswith((".", "/", "~")) and not Path(source).expanduser().exists():
-        raise BenchError(f"model path '{source}' does not exist.")
+    if inputs.looks_local(source):
+        inputs.check_model_folder(Path(source).expanduser())  # one sentence for a bad folder, before transformers
     try:
         return AutoModelForCausalLM.from_pretrained(Path(source).expanduser() if Path(source).expanduser().exists() else source, dtype=dtype)
     except OSError as err:
@@ -189,8 +190,9 @@ def hub_tokenizer(source: str):
     path = Path(source).expanduser()
     try:
         return AutoTokenizer.from_pretrained(path if path.exists() else source)
-    except OSError as err:
-        raise BenchError(f"could not load the tokenizer of '{source}': {str(err).splitlines()[0]}") from None
+    except (OSError, ValueError) as err:  # ValueError: a local folder without tokenizer files
+        hint = "; save the tokenizer into that folder (tokenizer.save_pretrained)" if path.exists() else ""
+        raise BenchError(f"could not load the tokenizer of '{source}' ({str(err).splitlines()[0].rstrip(': ')}){hint}.") from None
 
 
 # ----------------------------------------------------------------------------------------------- the pair

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from bench import inputs
 from bench.errors import BenchError
-from bench.results import RECORDS, read_records
 
 # Settings that, when they vary across the loaded records, become part of a row's label.
 SAMPLING_KEYS = ("temperature", "top_p", "max_new_tokens")
@@ -22,32 +22,28 @@ PAIR_KEYS = ["run_dir", "pair", "dataset", "prompt_id", "temperature", "top_p", 
 
 
 def find_record_files(paths: list[str]) -> list[Path]:
-    """``records.jsonl`` files named directly or found anywhere under the given run or sweep directories."""
+    """``records.jsonl`` files named directly or found anywhere under the given run or sweep directories
+    (:func:`bench.inputs.record_files`: an unfinished run's partial file is an error that says how to finish it)."""
     if not paths:
         raise BenchError("name at least one results directory or records file (e.g. results/sweeps/<date>/<time>).")
-    files: list[Path] = []
-    for p in map(Path, paths):
-        if not p.exists():
-            raise BenchError(f"results path '{p}' does not exist.")
-        files += [p] if p.is_file() else sorted(p.rglob(RECORDS))
-    if not files:
-        raise BenchError(f"no {RECORDS} found under {', '.join(paths)} (an unfinished run has only records.partial.jsonl).")
+    files = [f for p in paths for f in inputs.record_files(Path(p))]
     return list(dict.fromkeys(f.resolve() for f in files))
 
 
 def load(paths: list[str], baseline: str | None = None) -> tuple[pd.DataFrame, list[dict]]:
     """One row per record (with ``run_dir``, ``baseline``, flattened ``flops_total``, ``q_<metric>`` quality
     columns and the paired ``speedup``, ``base_wall_s``, ``base_new_tokens``), and the provenance
-    (``run.json``) of every run directory that has one.
+    (``run.json``) of every run directory that has one. Files are checked as they are read
+    (:mod:`bench.inputs`): an empty, foreign or damaged records file, or a run.json that is not JSON, is an error.
 
     ``baseline``: the method every record is paired against; ``None``: each run directory's own (its
     run.json's ``config.baseline``, ``ar`` when there is no run.json; a run without one pairs nothing).
     """
     rows, runs = [], []
     for f in find_record_files(paths):
-        prov = _provenance(f.parent)
+        prov = inputs.read_run_json(f.parent)
         run_baseline = baseline or ((prov.get("config") or {}).get("baseline", "ar") if prov else "ar")
-        for rec in read_records(f):
+        for rec in inputs.read_results_file(f):
             row = {k: v for k, v in rec.items() if k not in ("prompt_ids", "output_ids", "output_text", "extra", "flops")}
             row["run_dir"] = str(f.parent)
             row["baseline"] = run_baseline
@@ -59,8 +55,6 @@ def load(paths: list[str], baseline: str | None = None) -> tuple[pd.DataFrame, l
             rows.append(row)
         if prov is not None:
             runs.append({"run_dir": str(f.parent), **prov})
-    if not rows:
-        raise BenchError("the records files hold no records.")
     df = pd.DataFrame(rows)
     df["label"] = labels(df)
     df["is_baseline"] = df["method"] == df["baseline"]
@@ -69,13 +63,6 @@ def load(paths: list[str], baseline: str | None = None) -> tuple[pd.DataFrame, l
     df["speedup"] = df["base_wall_s"] / df["base_new_tokens"].where(df["base_new_tokens"] > 0) / spt
     df["ms_per_token"] = 1e3 * spt
     return df, runs
-
-
-def _provenance(run_dir: Path) -> dict | None:
-    try:
-        return json.loads((run_dir / "run.json").read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def labels(df: pd.DataFrame) -> pd.Series:

@@ -63,12 +63,21 @@ def validate(cfg: DictConfig) -> DictConfig:
 
 
 def check_files(pair: PairSettings, dataset) -> None:
-    """The files a config names: local model folders and the question file, read just far enough."""
-    for i, spec in enumerate([pair.target, *pair.drafts]):
+    """The files a config names, read just far enough to trust them (``bench/inputs.py``): local model folders
+    and the question file. The sentence is prefixed by the key that named the file."""
+    named = [("pair.target.id" if i == 0 else f"pair.drafts.{i - 1}.id", spec)
+             for i, spec in enumerate([pair.target, *pair.drafts])]
+    for key, spec in named:
         if isinstance(spec, HubModel) and inputs.looks_local(spec.id):
-            where = "pair.target.id" if i == 0 else f"pair.drafts.{i - 1}.id"
-            if not Path(spec.id).expanduser().exists():
-                raise BenchError(f"{where}: model folder '{spec.id}' does not exist.")
-            inputs.check_model_folder(Path(spec.id).expanduser())
+            _with_key(key, inputs.check_model_folder, Path(spec.id).expanduser())
+            if key == "pair.target.id":  # the pair's tokenizer is the target's
+                _with_key(key, inputs.check_tokenizer_folder, Path(spec.id).expanduser())
     if dataset.source == "spec_bench" and "://" not in dataset.path:
-        inputs.read_question_file(dataset.path)
+        _with_key("dataset.path", inputs.read_question_file, dataset.path)
+
+
+def _with_key(key: str, check_file, *args) -> None:
+    try:
+        check_file(*args)
+    except BenchError as err:
+        raise BenchError(f"{key}: {err}") from None

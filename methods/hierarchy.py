@@ -26,6 +26,7 @@ from typing import Literal, get_args
 import torch
 from pydantic import Field, field_validator, model_validator
 
+from bench import inputs
 from bench.errors import BenchError
 from bench.metrics import ratio
 from bench.registry import register
@@ -42,8 +43,7 @@ DATABASES = get_args(Database)
 def load_records_db(path: str, pair_name: str) -> list[tuple[tuple[int, ...], list[int]]]:
     """``(prompt_ids, output_ids)`` of every record of ``pair_name`` in a harness ``records.jsonl``."""
     docs = []
-    for line in Path(path).expanduser().read_text().splitlines():
-        rec = json.loads(line)
+    for rec in inputs.read_results_file(Path(path).expanduser()):  # checked: one sentence on a bad file
         if rec.get("pair") == pair_name and rec.get("output_ids"):
             docs.append((tuple(rec["prompt_ids"]), list(rec["output_ids"])))
     if not docs:
@@ -112,9 +112,13 @@ class Hierarchy(DraftVerify):
 
         @field_validator("model_db_file")
         @classmethod
-        def existing_file(cls, path):
-            if path and not Path(path).expanduser().is_file():
-                raise ValueError(f"no such file '{path}'.")
+        def records_file(cls, path):
+            """A finished records.jsonl of this harness (read now: before any model loads)."""
+            if path:
+                try:
+                    inputs.read_results_file(Path(path).expanduser())
+                except BenchError as err:
+                    raise ValueError(str(err)) from None
             return path
 
     def setup(self, train_if_missing: bool = True) -> None:

@@ -178,7 +178,7 @@ def test_hierarchy_model_database_uses_other_prompts_only(tiny_pair, ar_outputs,
     (a, ref_a), (b, ref_b) = ar_outputs[0], ar_outputs[3]
     # Outputs from a records.jsonl of a run on the same pair: a prompt never sees its own.
     path = tmp_path / "records.jsonl"
-    path.write_text(json.dumps({"pair": "tiny", "prompt_ids": a, "output_ids": ref_a}) + "\n")
+    path.write_text(json.dumps({"method": "ar", "pair": "tiny", "prompt_id": "a", "wall_s": 1.0, "new_tokens": len(ref_a), "prompt_ids": a, "output_ids": ref_a}) + "\n")
     from_file = build(tiny_pair, "hierarchy", databases=["model"], model_db_file=str(path), model_db={"prompts": 0})
     assert run(from_file, a, 40).extra["databases"]["model"]["lookups"] == 0  # its own output is never used
     out = run(from_file, b, 40)
@@ -230,7 +230,7 @@ def test_hierarchy_model_database_of_target_answers_is_built_once_and_cached(tin
     (["method=hierarchy", "method.databases=[context,web]"], "method.databases.1='web' is not allowed; it takes a list drawn from: context, model, statistics"),
     (["method=hierarchy", "method.num_candidates=0"], "method.num_candidates=0 is not allowed"),
     (["method=hierarchy", "method.stat_min_ngram=0"], "method.stat_min_ngram=0 is not allowed"),
-    (["method=hierarchy", "method.model_db_file=/no/such/records.jsonl"], "method.model_db_file: no such file '/no/such/records.jsonl'."),
+    (["method=hierarchy", "method.model_db_file=/no/such/records.jsonl"], "method.model_db_file: could not read results file '/no/such/records.jsonl'"),
 ])
 def test_bad_settings_are_one_sentence_before_any_model_loads(compose_cfg, args, needle):
     with pytest.raises(BenchError, match=re.escape(needle)):
