@@ -159,23 +159,6 @@ def compose(args: list[str], hydra: bool = False) -> DictConfig:
             raise BenchError(hydra_sentence(err)) from None
 
 
-def group_option(group: str, name: str) -> DictConfig:
-    """``configs/<group>/<name>.yaml`` as Hydra composes it for ``group=name``, its own ``defaults`` list
-    included (``method/hydra_pp`` extends ``method/hydra``), e.g. the baseline's full method config.
-
-    Inside the ``@hydra.main`` app the running Hydra composes it; elsewhere (tests calling ``bench.runner.run``
-    with a composed config, scripts) Hydra is initialised on ``CONFIG_DIR`` for this one call.
-    """
-    from hydra import compose as hydra_compose
-    from hydra.core.global_hydra import GlobalHydra
-
-    overrides = [f"{group}={name}"]
-    if not GlobalHydra.instance().is_initialized():
-        return compose(overrides)[group]
-    check_choices(overrides)
-    return hydra_compose(config_name="config", overrides=overrides)[group]
-
-
 def train_main(args: list[str]) -> int:
     """``train draft|method [overrides]``: build and cache now what ``run`` would build first: the pair's
     distilled drafts, or everything ``method=<name>`` uses (its drafts, heads, verifier, tables)."""

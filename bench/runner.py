@@ -18,7 +18,6 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from bench import metrics, quality, summary
-from bench.cli import group_option
 from bench.data import encode, load_prompts
 from bench.models import Pair, load_pair
 from bench.registry import get_method
@@ -116,11 +115,11 @@ def cost_ratio(pair: Pair, prompt_ids: torch.Tensor, repeats: int = 10) -> float
 
 def method_cfgs(cfg: DictConfig) -> dict[str, DictConfig]:
     """The baseline (if any) and the method under test, in that order, each with its settings: the
-    baseline gets its own ``configs/method/<name>.yaml`` in full (e.g. ``sd``'s gamma), as ``method=<name>``
+    baseline gets its own settings in full (e.g. ``sd``'s gamma), as ``method=<name>``
     would, since its decode reads them like any method's."""
     cfgs = {}
     if cfg.get("baseline") and cfg.baseline != cfg.method.name:
-        cfgs[cfg.baseline] = group_option("method", cfg.baseline)
+        cfgs[cfg.baseline] = get_method(cfg.baseline).settings({})
     cfgs[cfg.method.name] = cfg.method
     return cfgs
 

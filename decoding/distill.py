@@ -17,8 +17,8 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from pydantic import Field, NonNegativeInt
 from omegaconf import DictConfig
+from pydantic import Field, NonNegativeInt
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import GenerationMixin, PreTrainedModel

@@ -8,10 +8,8 @@ from decoding.sampling import Sampling, probs_from_logits
 
 
 def method_cfg(name, **overrides):
-    """``configs/method/<name>.yaml`` as Hydra composes it (defaults lists included), ``overrides`` on top."""
-    from bench.cli import group_option
-
-    return OmegaConf.merge(group_option("method", name), OmegaConf.create(overrides))
+    """Method ``name``'s settings as ``method=<name>`` composes them (its declared defaults), ``overrides`` on top."""
+    return get_method(name).settings(overrides)
 
 
 def build(pair, name, **overrides):

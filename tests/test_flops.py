@@ -3,7 +3,13 @@
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    DynamicCache,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 from bench.counting import CountedLM
 

@@ -16,8 +16,16 @@ import pytest
 
 from bench.registry import get_method, known_methods
 from decoding.sampling import Sampling
-from tests.helpers import (assert_greedy_equal_to_ar, build, assert_sampling_is_the_targets, decode, noisy_copy,
-                           prompts_for, repeating_prompt, with_drafts)
+from tests.helpers import (
+    assert_greedy_equal_to_ar,
+    assert_sampling_is_the_targets,
+    build,
+    decode,
+    noisy_copy,
+    prompts_for,
+    repeating_prompt,
+    with_drafts,
+)
 
 METHODS = known_methods()
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from decoding.distill import draft_from_target
 from bench.errors import BenchError
 from bench.models import load_pair
+from decoding.distill import draft_from_target
 from tests.helpers import decode, prompts_for
 
 

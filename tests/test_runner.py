@@ -6,7 +6,7 @@ from bench.results import read_records
 
 
 def test_baseline_gets_its_own_full_method_config(compose_cfg, tmp_path):
-    """``baseline=sd method=pld``: the baseline is built from configs/method/sd.yaml (gamma and all), not
+    """``baseline=sd method=pld``: the baseline is built from sd's declared settings (gamma and all), not
     from its name alone, and the method's speedups are paired against it."""
     from bench.runner import run
 
@@ -20,14 +20,14 @@ def test_baseline_gets_its_own_full_method_config(compose_cfg, tmp_path):
     assert all(r["matches_baseline"] for r in records if r["method"] == "pld")  # both lossless, greedy
 
 
-def test_baseline_config_keeps_its_defaults_list():
-    """hydra_pp.yaml extends hydra.yaml through a defaults list: composing it, not loading the file, gets both."""
-    from bench.cli import group_option
+def test_declared_settings_inherit():
+    """hydra_pp's settings extend hydra's declaration (a subclass): its own recipe defaults, hydra's tree."""
+    from bench.registry import get_method
 
-    hpp = group_option("method", "hydra_pp")
+    hpp = get_method("hydra_pp").settings({})
     assert hpp.name == "hydra_pp" and hpp.recipe.loss == "teacher" and hpp.recipe.prefix_layer
-    assert len(hpp.tree) == 19 and hpp.recipe.num_heads == 4  # from hydra.yaml
-    assert json.loads(json.dumps(dict(group_option("method", "ar")))) == {"name": "ar"}
+    assert len(hpp.tree) == 19 and hpp.recipe.num_heads == 4  # from hydra's declaration
+    assert json.loads(json.dumps(dict(get_method("ar").settings({})))) == {"name": "ar"}
 
 
 def test_lossy_mismatches_carry_their_divergence(compose_cfg, tmp_path):

@@ -154,3 +154,13 @@ def test_describe_type_reads_the_declaration():
     assert describe_type(fields["confidence"]) == "a number in [0, 1]"
     assert describe_type(RunSettings.model_fields["top_p"]) == "a number in (0, 1]"
     assert describe_type(RunSettings.model_fields["threads"]) == "an integer >= 1 or null"
+
+
+def test_the_readme_table_is_shows_output(capsys):
+    """The README's table of top-level settings is what ``python -m bench show`` prints: it cannot drift."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = readme.split("<!-- python -m bench show -->\n", 1)[1].split("\n<!-- end show -->", 1)[0]
+    show_main([])
+    assert table.strip() in capsys.readouterr().out
