@@ -36,9 +36,11 @@ def register_configs() -> None:
 
     from bench.registry import get_method, known_methods
     from bench.schema import RunSettings
+    from decoding.teacher import StoreSettings
 
     store = ConfigStore.instance()
-    store.store(name="settings", node=RunSettings().model_dump(mode="json"))
+    store.store(name="settings", node={**RunSettings().model_dump(mode="json"),
+                                       "store": StoreSettings().model_dump(mode="json")})
     for name in known_methods():
         store.store(group="method", name=name, node=get_method(name).Config(name=name).model_dump(mode="json"))
 
@@ -162,10 +164,12 @@ def compose(args: list[str], hydra: bool = False) -> DictConfig:
 def train_main(args: list[str]) -> int:
     """``train draft|method [overrides]``: build and cache now what ``run`` would build first: the pair's
     distilled drafts, or everything ``method=<name>`` uses (its drafts, heads, verifier, tables)."""
-    what = ["draft", "method"]
+    what = ["store", "draft", "method"]
     if not args or args[0] not in what:
-        raise BenchError(f"say what to train: one of {', '.join(what)} (e.g. 'python -m bench train draft pair=smollm2' "
-                         "or 'python -m bench train method method=medusa').")
+        raise BenchError(f"say what to train: one of {', '.join(what)} (e.g. 'python -m bench train store tokens=200000', "
+                         "'python -m bench train draft pair=smollm2' or 'python -m bench train method method=medusa').")
+    if args[0] == "store":
+        return train_store(args[1:])
     from bench.models import load_pair
     from bench.validate import validate
 
@@ -189,6 +193,23 @@ def train_main(args: list[str]) -> int:
     return 0
 
 
+def train_store(args: list[str]) -> int:
+    """``train store [tokens=N] [store.KEY=V ...] [overrides]``: build (or grow, or resume) the pair's teacher store
+    (``decoding/teacher.py``) and print what it holds and what labelling cost."""
+    from bench.models import load_pair
+    from bench.validate import validate
+    from decoding.teacher import StoreSettings, load_or_grow_store
+
+    # ``tokens=N`` is short for ``store.tokens=N``; the target is labelled unpacked, as the trainers read it.
+    args = [f"store.{a}" if a.partition("=")[0] in StoreSettings.model_fields else a for a in args]
+    cfg = validate(compose([*args, "packed_linear=false"]))
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    pair = load_pair(cfg, train_if_missing=False, n_drafts=0)
+    store = load_or_grow_store(pair.target.module, pair.tokenizer, StoreSettings(**cfg.store), pair.cache)
+    print(json.dumps(store.report(), indent=2))
+    return 0
+
+
 def show_main(args: list[str]) -> int:
     """``show [method=NAME] [pair=NAME] [dataset=NAME] [overrides]``: every setting of the named groups (none
     named: the top-level settings) with its type, value and meaning, printed from the schema."""
@@ -207,7 +228,8 @@ def show_main(args: list[str]) -> int:
         doc = (sys.modules[owner.__module__].__doc__ if group == "method" else owner.__doc__ or "").strip().splitlines()
         print(f"\n{title}" + (f": {doc[0]}" if doc else ""))
         prefix = f"{group}." if group else ""
-        table = [[prefix + r["key"], r["type"], _value(r["value"]), r["meaning"]] for r in rows(node) if r["key"] != "name"]
+        found = rows(node) + ([{**r, "key": f"store.{r['key']}"} for r in rows(nodes["store"])] if not group else [])
+        table = [[prefix + r["key"], r["type"], _value(r["value"]), r["meaning"]] for r in found if r["key"] != "name"]
         print(tabulate(table, headers=["key", "type", "value", "meaning"], tablefmt="github"))
     if named == [""]:
         print("\ngroups: " + "; ".join(f"{g}: {', '.join(choices(g))}" for g in GROUPS))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from pydantic import Field, field_validator
 
 from bench import inputs
@@ -278,8 +278,7 @@ def select(prompts: list[Prompt], n: int | None, seed: int, categories=None) -> 
 
 def load_prompts(cfg: DictConfig, seed: int) -> list[Prompt]:
     """The prompts of ``cfg`` (a ``dataset`` config): its source, then the reproducible selection."""
-    if cfg.source not in SOURCES:
-        raise BenchError(f"unknown dataset source '{cfg.source}'; choose one of: {', '.join(sorted(SOURCES))}.")
+    dataset_settings(OmegaConf.to_container(cfg, resolve=True))  # checked here too, for callers that skip validate
     prompts = SOURCES[cfg.source][0](cfg)
     return select(prompts, cfg.get("n_prompts"), seed, cfg.get("categories"))
 

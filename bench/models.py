@@ -21,7 +21,7 @@ from bench import inputs
 from bench.artifacts import Artifact, file_sha256, load_or_build
 from bench.counting import Counted, CountedLM
 from bench.errors import BenchError
-from bench.schema import Settings
+from bench.schema import Settings, as_config, check
 from decoding.distill import DistillRecipe
 
 log = logging.getLogger(__name__)
@@ -101,10 +101,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto``: bf16 on CUDA, fp32 on CPU (bf16 multi-token forwards are slow on CPUs and blur verification)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        return getattr(torch, name)
-    except AttributeError:
-        raise BenchError(f"unknown dtype '{name}'; use auto, float32, bfloat16 or float16.") from None
+    return getattr(torch, name)  # one of RunSettings.dtype's allowed names
 
 
 def cache_root(cfg_dir: str | None) -> Path:
@@ -249,7 +246,7 @@ def _load_target(spec: DictConfig, dtype, cache: Path):
     if src == "random":
         tok = byte_tokenizer()
         return random_model(spec, len(tok)), tok
-    raise BenchError(f"unknown target source '{src}'; use hub, gguf_package or random.")
+    raise AssertionError(f"target source '{src}' passed PairSettings but has no loader")
 
 
 def _load_draft(spec: DictConfig, target, tokenizer, dtype, cache: Path, train_if_missing: bool):
@@ -262,7 +259,7 @@ def _load_draft(spec: DictConfig, target, tokenizer, dtype, cache: Path, train_i
         from decoding.distill import load_or_train_draft
 
         return load_or_train_draft(target, tokenizer, spec.recipe, cache, train_if_missing)
-    raise BenchError(f"unknown draft source '{src}'; use hub, random or distilled.")
+    raise AssertionError(f"draft source '{src}' passed PairSettings but has no loader")
 
 
 def load_pair(cfg: DictConfig, train_if_missing: bool = True, n_drafts: int | None = None) -> Pair:
@@ -276,7 +273,8 @@ def load_pair(cfg: DictConfig, train_if_missing: bool = True, n_drafts: int | No
     """
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
-    pair_cfg = cfg.pair
+    # Checked (and defaults filled in) here too, for scripts and tests that load a pair without bench.validate.
+    pair_cfg = as_config(check(PairSettings, OmegaConf.to_container(cfg.pair, resolve=True), "pair", f"pair={cfg.pair.name}"))
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     cache = cache_root(cfg.get("cache_dir"))

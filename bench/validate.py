@@ -1,7 +1,8 @@
 """The check of a composed config, run before any model loads or any training starts.
 
 Each node is validated against its declaration (``bench/schema.py``: the top level; ``Method.Config``: the
-method and the baseline; ``bench.models.PairSettings``: the pair; ``bench.data``: the dataset's source), then
+method and the baseline; ``bench.models.PairSettings``: the pair; ``bench.data``: the dataset's source; ``decoding.teacher``: the
+teacher store), then
 the files the config names are read far enough to know they are usable. The first problem is one sentence
 (:class:`bench.errors.BenchError`) naming the key, the value and what is allowed.
 """
@@ -19,6 +20,7 @@ from bench.errors import BenchError
 from bench.models import HubModel, PairSettings
 from bench.registry import get_method
 from bench.schema import RunSettings, Settings, as_config, check
+from decoding.teacher import StoreSettings
 
 GROUPS = ("method", "pair", "dataset")
 DEFAULT_MAX_NEW_TOKENS = 128  # when neither the command line nor the dataset sets a budget
@@ -37,6 +39,7 @@ def checked(cfg: DictConfig) -> dict[str, Settings]:
     filled in and ``max_new_tokens`` resolved; raises :class:`BenchError` on the first problem."""
     data = plain(cfg)
     nodes = {g: data.pop(g, None) or {} for g in GROUPS}
+    store = check(StoreSettings, data.pop("store", None) or {}, "store")
     settings = check(RunSettings, data, "", "the top level")
     method_cls = get_method(nodes["method"].get("name"))
     method = method_cls.check_settings(nodes["method"])
@@ -48,7 +51,7 @@ def checked(cfg: DictConfig) -> dict[str, Settings]:
         baseline.check_pair(baseline.check_settings({}), pair)
     if settings.max_new_tokens is None:
         settings.max_new_tokens = dataset.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-    return {"": settings, "method": method, "pair": pair, "dataset": dataset}
+    return {"": settings, "method": method, "pair": pair, "dataset": dataset, "store": store}
 
 
 def validate(cfg: DictConfig) -> DictConfig:
@@ -57,7 +60,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     nodes = checked(cfg)
     check_files(nodes["pair"], nodes["dataset"])
     out = as_config(nodes[""])
-    for group in GROUPS:
+    for group in (*GROUPS, "store"):
         out[group] = as_config(nodes[group])
     return out
 

@@ -63,7 +63,7 @@ def cases():
             for why, value in bad_values(field).items():
                 yield pytest.param([f"method={name}"], key, value, id=f"{name}:{key}:{why}")
     nodes = checked(compose(TINY))
-    for group in ("", "pair", "dataset"):
+    for group in ("", "pair", "dataset", "store"):
         for key, field, _ in leaves(nodes[group], f"{group}." if group else ""):
             if key.startswith("pair.target.config") or key.endswith(".config"):
                 continue  # a mapping of LlamaConfig arguments: tested below

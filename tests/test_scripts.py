@@ -43,3 +43,13 @@ def test_draft_frontier_reports_every_depth(tmp_path, cache_dir):
     for row in summary["rows"]:
         assert 0 <= row["alpha_tuned_lens"] <= 1 and 0 <= row["alpha_logit_lens"] <= 1
         assert row["c"] > 0 and row["best_speedup"] > 0 and row["best_gamma"] in (1, 2)
+
+
+def test_teacher_throughput_reports_both_rates(cache_dir):
+    res = script("teacher_throughput.py", "--prompts", "4", "--batch", "4", "--new-tokens", "4", "--seqs", "2",
+                 "pair=tiny", "store.seq_len=32", cache_dir=cache_dir)
+    out = json.loads(res.stdout[res.stdout.index("{"):])
+    answers = out["answers"]
+    assert answers["one_at_a_time"]["batch"] == 1 and answers["batched"]["batch"] == 4
+    assert answers["one_at_a_time"]["tokens"] > 0 and answers["batched"]["tokens"] > 0
+    assert out["teacher_forced"]["tokens"] == 64 and out["teacher_forced"]["tokens_per_s"] > 0
