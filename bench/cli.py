@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -17,9 +18,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from bench.errors import BenchError
+from bench.validate import GROUPS
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-GROUPS = ("method", "pair", "dataset")
 log = logging.getLogger("bench")
 
 # ``${bench.first:a,b}``: the first of its arguments that is set; configs/config.yaml uses it so that
@@ -111,23 +112,37 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]]:
     """Each job's overrides in a ``-m`` sweep: the product of every swept value, as Hydra's basic sweeper
     makes them (``a=1,2 b=x,y`` -> four jobs; ``range(..)`` and ``choice(..)`` expand too)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
     from hydra.errors import HydraException
 
     check_choices(overrides)
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
-        values = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
-                  else [o.input_line] for o in parsed]
     except HydraException as err:
         raise BenchError(hydra_sentence(err)) from None
+    values = []
+    for o in parsed:
+        key = o.get_key_element()
+        if not o.is_sweep_override():
+            values.append([o.input_line])
+        elif o.value_type == ValueType.GLOB_CHOICE_SWEEP:  # glob(*) over a group's options, as Hydra expands it
+            values.append([f"{key}={v}" for v in o.value().filter(choices(key.lstrip("+~")))])
+        elif o.value_type == ValueType.INTERVAL_SWEEP:
+            raise BenchError(f"'{o.input_line}' is an interval, which only a search sweeper (e.g. Optuna) samples; "
+                             "the basic sweeper needs values: a,b,c, range(..) or choice(..).")
+        else:
+            values.append([f"{key}={v}" for v in o.sweep_string_iterator()])
     return [list(job) for job in itertools.product(*values)]
 
 
 def hydra_sentence(err: Exception) -> str:
-    """Hydra's own message about an override, as one sentence."""
+    """Hydra's own message about an override, as one sentence (with its cause, which says why)."""
     first = str(err).strip().splitlines()[0].rstrip(".")
     if getattr(err, "override", None):  # a parse error: say which override
         first = f"cannot parse the override '{err.override}' ({first})"
+    cause = str(err.__cause__ or "").strip().splitlines()
+    if cause and cause[0] not in first:
+        first += f" ({cause[0].rstrip('.')})"
     if first.startswith("Ambiguous value"):
         first += " (add -m to sweep over the values, or write key=[a,b] for a list)"
     return f"{first}; see https://hydra.cc/docs/advanced/override_grammar/basic."
@@ -146,13 +161,15 @@ def compose(args: list[str], hydra: bool = False) -> DictConfig:
 
     register_configs()
     check_choices(args)
+    if any(a.partition("=")[0].lstrip("+~") == "method.name" for a in args):
+        raise BenchError("method.name is chosen with method=NAME, not set (python -m bench show lists the methods).")
     args = list(args)
     while True:
         try:
             with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
                 return hydra_compose(config_name="config", overrides=args, return_hydra_config=hydra)
         except ConfigCompositionException as err:
-            key = getattr(err.__cause__, "full_key", None)
+            key = re.sub(r"\[(\d+)\]", r".\1", getattr(err.__cause__, "full_key", None) or "")  # drafts[0] -> drafts.0
             unknown = [i for i, a in enumerate(args) if key and a.partition("=")[0] == key]
             if "not in struct" not in str(err.__cause__) or not unknown:
                 raise BenchError(hydra_sentence(err)) from None
@@ -225,7 +242,8 @@ def show_main(args: list[str]) -> int:
         node = nodes[group]
         title = f"{group}={node.name}" if group else "top-level settings"
         owner = get_method(node.name) if group == "method" else type(node)
-        doc = (sys.modules[owner.__module__].__doc__ if group == "method" else owner.__doc__ or "").strip().splitlines()
+        doc = (sys.modules[owner.__module__].__doc__ if group == "method" else owner.__doc__ or "").replace("``", "")
+        doc = doc.strip().splitlines()
         print(f"\n{title}" + (f": {doc[0]}" if doc else ""))
         prefix = f"{group}." if group else ""
         found = rows(node) + ([{**r, "key": f"store.{r['key']}"} for r in rows(nodes["store"])] if not group else [])

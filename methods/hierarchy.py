@@ -110,6 +110,13 @@ class Hierarchy(DraftVerify):
             ngram_sizes(self)
             return ngram_sizes(self, "stat_min_ngram", "stat_max_ngram")
 
+        @field_validator("databases")
+        @classmethod
+        def each_once(cls, databases):
+            if len(set(databases)) < len(databases):
+                raise ValueError(f"databases lists one twice: {databases}.")
+            return databases
+
         @field_validator("model_db_file")
         @classmethod
         def records_file(cls, path):

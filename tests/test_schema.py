@@ -8,7 +8,7 @@ import typing
 import pytest
 
 from bench.__main__ import main
-from bench.cli import compose, show_main
+from bench.cli import compose, show_main, sweep_jobs
 from bench.registry import get_method, known_methods
 from bench.schema import RunSettings, Settings, bounds, describe_type, rows
 from bench.validate import checked
@@ -118,6 +118,14 @@ def test_cross_key_rules_are_named_validators(override, needle, capsys):
     (["max_new_tokens=\"a"], "cannot parse the override 'max_new_tokens=\"a'"),
     (["dataset.source=web"], "dataset.source='web' is not allowed; it takes one of:"),
     (["baseline=nope"], "unknown method 'nope'"),
+    (["method=ar", "pair.drafts=[]", "baseline=sd"], "baseline=sd: method=sd runs a draft model but pair=tiny has none."),
+    (["method=hierarchy", "method.databases=[context,context]"], "databases lists one twice"),
+    (["method.name=medusa"], "method.name is chosen with method=NAME"),
+    (["pair.drafts.0.bogus=1"], "unknown key pair.drafts.0.bogus; pair.drafts.0 has: source, seed, config."),
+    (["pair.target.config.num_attention_heads=3"], "LlamaConfig refuses config: The hidden size (64) is not a multiple"),
+    (["resume=/etc/passwd"], "resume: '/etc/passwd' is a file"),
+    (["device=cuda:7"], "device 'cuda:7' was asked for but this machine has"),
+    (["-m", "method.gamma=interval(0,1)"], "is an interval, which only a search sweeper"),
     (["method=ar,sd"], "add -m to sweep over the values"),
 ])
 def test_cross_node_and_structural_errors(args, needle, capsys):
@@ -126,12 +134,24 @@ def test_cross_node_and_structural_errors(args, needle, capsys):
     assert needle in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_category_no_prompt_has_is_refused():
+    from bench.data import load_prompts
+    from bench.errors import BenchError
+
+    cfg = compose(["dataset.categories=[qa,nosuch]"]).dataset
+    with pytest.raises(BenchError, match="dataset.categories names 'nosuch', which no prompt has; this dataset's "
+                                         "categories: conversation, math_reasoning, qa, rag, summarization, translation."):
+        load_prompts(cfg, 0)
+
+
 def test_valid_values_pass_and_are_typed():
     """The other side: good values pass, come back typed, and max_new_tokens falls back to the dataset's."""
     cfg = checked(compose(["pair=tiny", "method=sprinter", "method.threshold=1", "temperature=1", "top_p=0.5"]))
     assert cfg["method"].threshold == 1.0 and isinstance(cfg["method"].threshold, float)
     assert checked(compose(["dataset=gsm8k"]))[""].max_new_tokens == 256
     assert checked(compose(["dataset=gsm8k", "max_new_tokens=9"]))[""].max_new_tokens == 9
+    assert checked(compose(["resume=2024"]))[""].resume == "2024"  # a folder named by a number is still text
+    assert sweep_jobs(["method=glob(s*)"]) == [["method=sd"], ["method=sprinter"]]  # as Hydra expands it
 
 
 @pytest.mark.parametrize("group", [*(f"method={m}" for m in known_methods()), "pair=tiny", "dataset=default", None])
