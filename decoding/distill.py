@@ -56,8 +56,8 @@ class DistillRecipe(Settings):
     epochs: int = Field(4, ge=1, description="passes over the training tokens")
     lr: float = Field(5.0e-4, gt=0, description="AdamW learning rate")
     topk: int = Field(32, ge=1, description="the target's top-k probabilities kept as soft labels")
-    self_distill: SelfDistill | None = Field(default_factory=SelfDistill, description="on-policy answers "
-                                             "added to the training text (null: none)")
+    self_distill: SelfDistill | None = Field(None, description="on-policy answers added to the training text "
+                                             "(null: none)")
     seed: int = Field(0, ge=0, description="seeds initialisation, data order and instruction choice")
 
 

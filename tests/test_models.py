@@ -62,7 +62,7 @@ def test_corrupt_draft_cache_is_rebuilt_or_one_clear_error(distilled_cfg):
     from decoding.distill import draft_artifact, draft_report
 
     pair = load_pair(distilled_cfg)
-    recipe = distilled_cfg.pair.drafts[0].recipe
+    recipe = pair.spec.drafts[0].recipe  # as load_pair checked it, defaults filled in
     folder = draft_artifact(pair.target.module, None, recipe).folder(pair.cache)
     assert draft_report(pair.target.module, recipe, pair.cache)["vocab"] == 64  # the training report, kept
     blob = (folder / "draft.pt").read_bytes()
