@@ -77,17 +77,25 @@ def typical_path(tree: Tree, logits: torch.Tensor, sampling: Sampling, generator
                  alpha: float) -> tuple[list[int], int]:
     """Medusa's typical acceptance (Cai et al. 2024, Sec. 2.3.1) -- LOSSY: node x after parent p stands when
     ``p_target(x | p) > min(threshold, alpha * exp(-H(p_target(. | p))))``; the deepest node whose whole
-    path stands wins, and the next token is sampled from the target at that node."""
+    path stands wins -- among equally deep ones, the path the target finds most likely (the sum of its tokens'
+    log-probabilities, as the authors' ``evaluate_posterior`` breaks ties) -- and the next token is sampled from
+    the target at that node."""
     probs = probs_from_logits(logits, sampling)  # (n, vocab)
     entropy = -(probs * probs.clamp_min(1e-20).log()).sum(-1)  # (n,)
     bar = torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
     parent = torch.tensor(tree.parent[1:], device=logits.device)
     tokens = torch.tensor(tree.tokens[1:], device=logits.device)
+    p_node = probs[parent, tokens].cpu()  # (n - 1,): p_target(node's token | its parent)
     ok = torch.ones(len(tree), dtype=torch.bool)
-    ok[1:] = (probs[parent, tokens] > bar[parent]).cpu()
-    ok_path = (~tree.ancestry() | ok[None, :]).all(-1)  # every node on the path stands
+    ok[1:] = p_node > bar[parent].cpu()
+    ancestry = tree.ancestry()  # (n, n): [i, j] when j is on the path to i
+    ok_path = (~ancestry | ok[None, :]).all(-1)  # every node on the path stands
     depth = torch.where(ok_path, torch.tensor(tree.depth), -1)
-    best = int(depth.argmax())  # first (breadth-first) among the deepest
+    logp = torch.zeros(len(tree))
+    logp[1:] = p_node.clamp_min(1e-20).log()
+    path_logp = ancestry.float() @ logp  # (n,): log-likelihood of the path to each node
+    deepest = depth == depth.max()
+    best = int(torch.where(deepest, path_logp, float("-inf")).argmax())
     return tree.path_to(best), int(sample(probs[best], generator))
 
 

@@ -230,3 +230,19 @@ def test_heads_cache_without_the_recipes_prefix_layer_is_retrained_or_one_senten
                         {**blob, "prefix": PrefixLayer.from_target(target).state_dict()})
     with pytest.raises(BenchError, match="it has a prefix layer"):  # a prefix layer where the recipe has none
         load_or_train_heads(target, tok, "hydra", no_prefix, tmp_path, train_if_missing=False)
+
+
+def test_typical_acceptance_breaks_ties_by_likelihood():
+    """Two equally deep paths both stand: the one the target finds more likely wins (Medusa's
+    evaluate_posterior), not the first in breadth-first order."""
+    from decoding.tree import Tree
+    from methods._tree_heads import typical_path
+
+    tree = Tree.from_paths([[0], [1]]).fill([0, 1, 2])  # root, then tokens 1 and 2 as siblings
+    logits = torch.full((3, 5), -10.0)
+    logits[0, 1], logits[0, 2] = 0.0, 1.0  # after the root: token 2 is likelier than token 1, both above the bar
+    path, _ = typical_path(tree, logits, Sampling(1.0, 1.0), torch.Generator().manual_seed(0), 0.09, 0.3)
+    assert path == [0, 2]
+    logits[0, 1], logits[0, 2] = 1.0, 0.0
+    path, _ = typical_path(tree, logits, Sampling(1.0, 1.0), torch.Generator().manual_seed(0), 0.09, 0.3)
+    assert path == [0, 1]
