@@ -29,24 +29,27 @@ if not OmegaConf.has_resolver("bench.first"):
     OmegaConf.register_new_resolver("bench.first", lambda *args: next((a for a in args if a not in (None, "")), None))
 
 
+_STORED: set[str] = set()  # ConfigStore entries made so far (methods by name, and "settings")
+
+
 def register_configs() -> None:
     """The top-level defaults and every method's settings, from their declarations into Hydra's ConfigStore
     (``settings`` and ``method/<name>``), so no YAML repeats them. Called before every composition, so a
-    method registered after import (a plug-in, a test) is an option too."""
+    method registered after import (a plug-in, a test) is an option too; each entry is stored once."""
     from hydra.core.config_store import ConfigStore
 
     from bench.registry import get_method, known_methods
-    from bench.schema import RunSettings
-    from decoding.teacher import StoreSettings
+    from bench.validate import RunSettings
 
     store = ConfigStore.instance()
-    store.store(name="settings", node={**RunSettings().model_dump(mode="json"),
-                                       "store": StoreSettings().model_dump(mode="json")})
-    for name in known_methods():
-        store.store(group="method", name=name, node=get_method(name).Config(name=name).model_dump(mode="json"))
-
-
-register_configs()
+    for name in ["settings", *known_methods()]:
+        if name in _STORED:
+            continue
+        if name == "settings":
+            store.store(name="settings", node=RunSettings().model_dump(mode="json"))
+        else:
+            store.store(group="method", name=name, node=get_method(name).Config(name=name).model_dump(mode="json"))
+        _STORED.add(name)
 
 
 def choices(group: str) -> list[str]:
@@ -103,6 +106,7 @@ def run_main(args: list[str]) -> int:
 
         for job in sweep_jobs(overrides) if any(a in MULTIRUN for a in args) else [overrides]:
             validate(compose(job))
+    register_configs()  # Hydra's own composition (with --cfg, --info ... too) reads the stored settings
     sys.argv = ["python -m bench run", *args]
     _hydra_run()
     return 0
@@ -246,8 +250,7 @@ def show_main(args: list[str]) -> int:
         doc = doc.strip().splitlines()
         print(f"\n{title}" + (f": {doc[0]}" if doc else ""))
         prefix = f"{group}." if group else ""
-        found = rows(node) + ([{**r, "key": f"store.{r['key']}"} for r in rows(nodes["store"])] if not group else [])
-        table = [[prefix + r["key"], r["type"], _value(r["value"]), r["meaning"]] for r in found if r["key"] != "name"]
+        table = [[prefix + r["key"], r["type"], _value(r["value"]), r["meaning"]] for r in rows(node) if r["key"] != "name"]
         print(tabulate(table, headers=["key", "type", "value", "meaning"], tablefmt="github"))
     if named == [""]:
         print("\ngroups: " + "; ".join(f"{g}: {', '.join(choices(g))}" for g in GROUPS))

@@ -1,9 +1,9 @@
 """The config schema: every setting's type, range or allowed values, default and one-line meaning, declared once.
 
 Each node of the config is a pydantic model (:class:`Settings`) declared next to the code that reads it:
-the top-level settings here (:class:`RunSettings`), a method's in its own file (``Method.Config``), a pair's
-model specs in ``bench/models.py``, a dataset source's in ``bench/data.py``, training recipes next to their
-trainers. Hydra composes the config (groups, overrides, sweeps, launchers); :func:`check` then validates
+the top-level settings in ``bench/validate.py`` (``RunSettings``), a method's in its own file
+(``Method.Config``), a pair's model specs in ``bench/models.py``, a dataset source's in ``bench/data.py``,
+the teacher store's and training recipes next to their builders. Hydra composes the config (groups, overrides, sweeps, launchers); :func:`check` then validates
 each node against its model, before any model loads, and turns the first problem into one sentence that
 names the key, the value given and what is allowed. Method settings and the top-level defaults reach Hydra
 through its ConfigStore (:func:`register_configs`), so no YAML repeats them; ``python -m bench show`` prints
@@ -23,9 +23,7 @@ from typing import Any, Literal, Union
 from pydantic import (
     BaseModel,
     ConfigDict,
-    Field,
     ValidationError,
-    field_validator,
     model_validator,
 )
 
@@ -48,46 +46,6 @@ class Settings(BaseModel):
         text = {n for n, f in cls.model_fields.items() if f.annotation in (str, str | None, typing.Optional[str])}
         return {k: str(v) if k in text and isinstance(v, (int, float)) and not isinstance(v, bool) else v
                 for k, v in data.items()}
-
-
-class RunSettings(Settings):
-    """Top-level settings of ``python -m bench run`` (and ``train``)."""
-
-    max_new_tokens: int | None = Field(None, ge=1, description="new tokens per prompt; null: the dataset's own "
-                                       "max_new_tokens, else 128 (decoding also stops at EOS)")
-    temperature: float = Field(0.0, ge=0, description="0 = greedy (the default); > 0 samples")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
-    seed: int = Field(0, ge=0, description="seeds sampling and prompt selection")
-    device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$",
-                        description="auto = CUDA when present, else cpu; or cpu, cuda, cuda:N, mps (when present)")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto = bfloat16 on CUDA, float32 on CPU")
-    cache_dir: str | None = Field(None, description="converted models, drafts, heads, verifiers, tables; "
-                                  "null = $BENCH_CACHE or ~/.cache/specbench")
-    baseline: str | None = Field("ar", description="method run on the same prompts in the same run, for "
-                                 "paired speedups (null: none)")
-    warmup: int = Field(1, ge=0, description="untimed warm-up decodes (per method) before the timed prompts")
-    train_if_missing: bool = Field(True, description="train a missing draft / heads / verifier before decoding")
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (null: torch's default)")
-    packed_linear: bool = Field(True, description="CPU fp32: forwards of >= 4 rows use oneDNN-packed weights "
-                                "(bench/kernels.py)")
-    resume: str | None = Field(None, min_length=1, description="DIR: write the run (with -m: the sweep) into DIR, "
-                               "keep its complete records, decode only the rest")
-
-    @field_validator("device")
-    @classmethod
-    def device_present(cls, device: str) -> str:
-        """A device this machine has: checked now, not when the first tensor moves."""
-        import torch
-
-        if device == "mps" and not torch.backends.mps.is_available():
-            raise ValueError("device 'mps' was asked for but this machine has no MPS (Apple GPU) device.")
-        if device.startswith("cuda"):
-            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            index = int(device.partition(":")[2] or 0)
-            if index >= count:
-                raise ValueError(f"device '{device}' was asked for but this machine has {count} CUDA device(s).")
-        return device
 
 
 # --------------------------------------------------------------------------------------- validation

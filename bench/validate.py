@@ -1,29 +1,72 @@
 """The check of a composed config, run before any model loads or any training starts.
 
-Each node is validated against its declaration (``bench/schema.py``: the top level; ``Method.Config``: the
-method and the baseline; ``bench.models.PairSettings``: the pair; ``bench.data``: the dataset's source; ``decoding.teacher``: the
-teacher store), then
-the files the config names are read far enough to know they are usable. The first problem is one sentence
+Each node is validated against its declaration (:class:`RunSettings` here: the top level, the teacher store's
+``store.*`` included; ``Method.Config``: the method and the baseline; ``bench.models.PairSettings``: the pair;
+``bench.data``: the dataset's source), then the files the config names are read far enough to know they are
+usable. The first problem is one sentence
 (:class:`bench.errors.BenchError`) naming the key, the value and what is allowed.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from pydantic import Field, field_validator
 
 from bench import inputs
 from bench.data import dataset_settings
 from bench.errors import BenchError
 from bench.models import HubModel, PairSettings
 from bench.registry import get_method
-from bench.schema import RunSettings, Settings, as_config, check
+from bench.schema import Settings, as_config, check
 from decoding.teacher import StoreSettings
 
 GROUPS = ("method", "pair", "dataset")  # the config groups (bench.cli reads them from here)
 DEFAULT_MAX_NEW_TOKENS = 128  # when neither the command line nor the dataset sets a budget
+
+
+class RunSettings(Settings):
+    """Top-level settings of ``python -m bench run`` (and ``train``)."""
+
+    max_new_tokens: int | None = Field(None, ge=1, description="new tokens per prompt; null: the dataset's own "
+                                       "max_new_tokens, else 128 (decoding also stops at EOS)")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy (the default); > 0 samples")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    seed: int = Field(0, ge=0, description="seeds sampling and prompt selection")
+    device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$",
+                        description="auto = CUDA when present, else cpu; or cpu, cuda, cuda:N, mps (when present)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto = bfloat16 on CUDA, float32 on CPU")
+    cache_dir: str | None = Field(None, description="converted models, drafts, heads, verifiers, tables; "
+                                  "null = $BENCH_CACHE or ~/.cache/specbench")
+    baseline: str | None = Field("ar", description="method run on the same prompts in the same run, for "
+                                 "paired speedups (null: none)")
+    warmup: int = Field(1, ge=0, description="untimed warm-up decodes (per method) before the timed prompts")
+    train_if_missing: bool = Field(True, description="train a missing draft / heads / verifier before decoding")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (null: torch's default)")
+    packed_linear: bool = Field(True, description="CPU fp32: forwards of >= 4 rows use oneDNN-packed weights "
+                                "(bench/kernels.py)")
+    resume: str | None = Field(None, min_length=1, description="DIR: write the run (with -m: the sweep) into DIR, "
+                               "keep its complete records, decode only the rest")
+    store: StoreSettings = Field(default_factory=StoreSettings, description="the teacher store (train store)")
+
+    @field_validator("device")
+    @classmethod
+    def device_present(cls, device: str) -> str:
+        """A device this machine has: checked now, not when the first tensor moves."""
+        import torch
+
+        if device == "mps" and not torch.backends.mps.is_available():
+            raise ValueError("device 'mps' was asked for but this machine has no MPS (Apple GPU) device.")
+        if device.startswith("cuda"):
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            index = int(device.partition(":")[2] or 0)
+            if index >= count:
+                raise ValueError(f"device '{device}' was asked for but this machine has {count} CUDA device(s).")
+        return device
 
 
 def plain(cfg: DictConfig) -> dict:
@@ -39,7 +82,6 @@ def checked(cfg: DictConfig) -> dict[str, Settings]:
     filled in and ``max_new_tokens`` resolved; raises :class:`BenchError` on the first problem."""
     data = plain(cfg)
     nodes = {g: data.pop(g, None) or {} for g in GROUPS}
-    store = check(StoreSettings, data.pop("store", None) or {}, "store")
     settings = check(RunSettings, data, "", "the top level")
     method_cls = get_method(nodes["method"].get("name"))
     method = method_cls.check_settings(nodes["method"])
@@ -54,7 +96,7 @@ def checked(cfg: DictConfig) -> dict[str, Settings]:
             raise BenchError(f"baseline={settings.baseline}: {err}") from None
     if settings.max_new_tokens is None:
         settings.max_new_tokens = dataset.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-    return {"": settings, "method": method, "pair": pair, "dataset": dataset, "store": store}
+    return {"": settings, "method": method, "pair": pair, "dataset": dataset}
 
 
 def validate(cfg: DictConfig) -> DictConfig:
@@ -64,7 +106,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     check_files(nodes["pair"], nodes["dataset"])
     check_resume(nodes[""].resume)
     out = as_config(nodes[""])
-    for group in (*GROUPS, "store"):
+    for group in GROUPS:
         out[group] = as_config(nodes[group])
     return out
 

@@ -10,8 +10,8 @@ import pytest
 from bench.__main__ import main
 from bench.cli import compose, show_main, sweep_jobs
 from bench.registry import get_method, known_methods
-from bench.schema import RunSettings, Settings, bounds, describe_type, rows
-from bench.validate import checked
+from bench.schema import Settings, bounds, describe_type, rows
+from bench.validate import RunSettings, checked
 
 TINY = ["pair=tiny", "dataset.n_prompts=1", "max_new_tokens=2"]
 
@@ -63,7 +63,7 @@ def cases():
             for why, value in bad_values(field).items():
                 yield pytest.param([f"method={name}"], key, value, id=f"{name}:{key}:{why}")
     nodes = checked(compose(TINY))
-    for group in ("", "pair", "dataset", "store"):
+    for group in ("", "pair", "dataset"):  # the top level includes store.*
         for key, field, _ in leaves(nodes[group], f"{group}." if group else ""):
             if key.startswith("pair.target.config") or key.endswith(".config"):
                 continue  # a mapping of LlamaConfig arguments: tested below
