@@ -208,6 +208,26 @@ def _build(art: Artifact, folder: Path) -> None:
     log.info("built the %s in %.1f s%s", art.what, seconds, f": {jsonable(report)}" if report else "")
 
 
+def foreign_key(art: Artifact, folder: Path) -> str | None:
+    """Which parts of ``art``'s key the manifest in ``folder`` disagrees with (``None``: it was built for this
+    key). The folder's name already hashes the key, so a disagreement means files were copied or moved in by
+    hand (another target's store, another tokenizer's table): they are refused, never used or overwritten."""
+    manifest = read_manifest(folder) or {}
+    if "key" not in manifest:
+        return None
+    want = json.loads(json.dumps(jsonable(art.key), default=str))
+    have = manifest["key"]
+    if want == have:
+        return None
+
+    def diff(a, b, at: str) -> list[str]:
+        if isinstance(a, dict) and isinstance(b, dict):
+            return [d for k in sorted(set(a) | set(b)) for d in diff(a.get(k), b.get(k), f"{at}.{k}" if at else k)]
+        return [] if a == b else [at or "key"]
+
+    return ", ".join(diff(want, have, "")[:4])
+
+
 def _first_line(err: Exception) -> str:
     text = str(err).splitlines()[0] if str(err) else ""
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
@@ -232,6 +252,9 @@ def load_or_build(art: Artifact, cache: Path, build_if_missing: bool = True):
                 if not build_if_missing:
                     raise BenchError(f"the cached {art.what} at {folder} cannot be used ({why}); {art.hint}.")
                 _build(art, folder)
+            elif (foreign := foreign_key(art, folder)) is not None:
+                raise BenchError(f"the {art.what} at {folder} was built for something else (its {foreign} differ"
+                                 f"{'s' if ',' not in foreign else ''}); delete that folder to rebuild it.")
         try:
             return art.load(folder)
         except BenchError:

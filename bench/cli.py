@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -33,20 +34,24 @@ _STORED: set[str] = set()  # ConfigStore entries made so far (methods by name, a
 
 
 def register_configs() -> None:
-    """The top-level defaults and every method's settings, from their declarations into Hydra's ConfigStore
-    (``settings`` and ``method/<name>``), so no YAML repeats them. Called before every composition, so a
+    """The top-level defaults, every method's settings and the training recipes, from their declarations into
+    Hydra's ConfigStore (``settings``, ``method/<name>``, ``recipe/<name>``), so no YAML repeats them. Called before every composition, so a
     method registered after import (a plug-in, a test) is an option too; each entry is stored once."""
     from hydra.core.config_store import ConfigStore
 
     from bench.registry import get_method, known_methods
     from bench.validate import RunSettings
+    from decoding.teacher import RECIPES
 
     store = ConfigStore.instance()
-    for name in ["settings", *known_methods()]:
+    for name in ["settings", *(f"recipe/{r}" for r in RECIPES), *known_methods()]:
         if name in _STORED:
             continue
         if name == "settings":
             store.store(name="settings", node=RunSettings().model_dump(mode="json"))
+        elif name.startswith("recipe/"):
+            recipe = RECIPES[name.removeprefix("recipe/")]
+            store.store(group="recipe", name=recipe.name, node=recipe.model_dump(mode="json"))
         else:
             store.store(group="method", name=name, node=get_method(name).Config(name=name).model_dump(mode="json"))
         _STORED.add(name)
@@ -183,51 +188,65 @@ def compose(args: list[str], hydra: bool = False) -> DictConfig:
 
 
 def train_main(args: list[str]) -> int:
-    """``train draft|method [overrides]``: build and cache now what ``run`` would build first: the pair's
-    distilled drafts, or everything ``method=<name>`` uses (its drafts, heads, verifier, tables)."""
-    what = ["store", "draft", "method"]
+    """``train store|draft|method|all [overrides]``: build and cache now what ``run`` would build first: the
+    teacher stores, the pair's distilled drafts, everything ``method=<name>`` uses (its drafts, heads, verifier,
+    tables), or everything every registered method uses, under the run's ``recipe=``."""
+    what = ["store", "draft", "method", "all"]
     if not args or args[0] not in what:
         raise BenchError(f"say what to train: one of {', '.join(what)} (e.g. 'python -m bench train store tokens=200000', "
-                         "'python -m bench train draft pair=smollm2' or 'python -m bench train method method=medusa').")
+                         "'python -m bench train draft pair=smollm2', 'python -m bench train method method=medusa' or "
+                         "'python -m bench train all recipe=full').")
     if args[0] == "store":
         return train_store(args[1:])
     from bench.models import load_pair
+    from bench.registry import get_method, known_methods
     from bench.validate import validate
 
     cfg = validate(compose(args[1:]))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from bench.registry import get_method
+    # ``train draft`` and ``train all`` load (and so distil) every draft of the pair; ``train method`` only the
+    # drafts that method uses. load_pair honours threads= as run does: training shares the machine too.
+    from decoding.distill import draft_report
 
-    # ``train draft`` loads (and so distils) every draft of the pair; ``train method`` only the drafts that
-    # method uses. load_pair honours threads= as run does: training shares the machine too.
-    pair = load_pair(cfg, train_if_missing=True, n_drafts=None if args[0] == "draft" else get_method(cfg.method.name).drafts)
+    n_drafts = get_method(cfg.method.name).drafts if args[0] == "method" else None
+    start = time.perf_counter()
+    pair = load_pair(cfg, train_if_missing=True, n_drafts=n_drafts)
+    drafts = [draft_report(pair.target.module, spec.recipe, pair.teacher)
+              for spec in (cfg.pair.get("drafts") or [])[:n_drafts] if spec.source == "distilled"]
     if args[0] == "draft":
-        from decoding.distill import draft_report
-
-        for spec in cfg.pair.get("drafts") or []:
-            if spec.source == "distilled":
-                print(json.dumps(draft_report(pair.target.module, spec.recipe, pair.cache), indent=2))
+        for report in drafts:
+            print(json.dumps(report, indent=2))
         return 0
-    method = get_method(cfg.method.name)(cfg.method, pair)
-    method.setup(train_if_missing=True)
-    print(json.dumps(getattr(method, "report", {}), indent=2, default=str))
+    reports = {"pair (stores and drafts)": {"seconds": round(time.perf_counter() - start, 1), "drafts": drafts}}
+    names = [cfg.method.name] if args[0] == "method" else known_methods()
+    for name in names:
+        method_cls = get_method(name)
+        if method_cls.drafts > len(pair.drafts):
+            log.info("%s: skipped (pair=%s has %d drafts, %s needs %d)", name, pair.name, len(pair.drafts), name,
+                     method_cls.drafts)
+            continue
+        method = method_cls(cfg.method if name == cfg.method.name else method_cls.settings({}), pair)
+        start = time.perf_counter()
+        method.setup(train_if_missing=True)
+        reports[name] = {"seconds": round(time.perf_counter() - start, 1), **getattr(method, "report", {})}
+    print(json.dumps(reports if args[0] == "all" else reports[cfg.method.name], indent=2, default=str))
     return 0
 
 
 def train_store(args: list[str]) -> int:
-    """``train store [tokens=N] [store.KEY=V ...] [overrides]``: build (or grow, or resume) the pair's teacher store
-    (``decoding/teacher.py``) and print what it holds and what labelling cost."""
+    """``train store [tokens=N] [recipe=NAME] [recipe.store.KEY=V ...] [overrides]``: build (or grow, or resume)
+    the pair's teacher stores under the recipe (``decoding/teacher.py``): the train split to ``recipe.tokens``
+    and the held-out split to ``recipe.eval_tokens``; prints what they hold and what labelling cost."""
     from bench.models import load_pair
     from bench.validate import validate
-    from decoding.teacher import StoreSettings, load_or_grow_store
 
-    # ``tokens=N`` is short for ``store.tokens=N``; the target is labelled unpacked, as the trainers read it.
-    args = [f"store.{a}" if a.partition("=")[0] in StoreSettings.model_fields else a for a in args]
+    # ``tokens=N`` is short for ``recipe.tokens=N``; the target is labelled unpacked, as the trainers read it.
+    args = [f"recipe.{a}" if a.partition("=")[0] in ("tokens", "eval_tokens") else a for a in args]
     cfg = validate(compose([*args, "packed_linear=false"]))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    pair = load_pair(cfg, train_if_missing=False, n_drafts=0)
-    store = load_or_grow_store(pair.target.module, pair.tokenizer, StoreSettings(**cfg.store), pair.cache)
-    print(json.dumps(store.report(), indent=2))
+    pair = load_pair(cfg, train_if_missing=True, n_drafts=0)  # no draft is loaded: only the store is built
+    reports = {split: pair.teacher.store(pair.target.module, pair.tokenizer, split).report() for split in ("train", "test")}
+    print(json.dumps(reports, indent=2))
     return 0
 
 

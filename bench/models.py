@@ -23,6 +23,7 @@ from bench.counting import Counted, CountedLM
 from bench.errors import BenchError
 from bench.schema import Settings, as_config, check
 from decoding.distill import DistillRecipe
+from decoding.teacher import RECIPES, RecipeSettings, Teacher
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +215,7 @@ class Pair:
     dtype: torch.dtype
     cache: Path
     spec: DictConfig
+    teacher: Teacher  # the run's training recipe and the target's teacher stores, read by every trainer
     roles: dict[str, Counted] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -252,7 +254,7 @@ def _load_target(spec: DictConfig, dtype, cache: Path):
     raise AssertionError(f"target source '{src}' passed PairSettings but has no loader")
 
 
-def _load_draft(spec: DictConfig, target, tokenizer, dtype, cache: Path, train_if_missing: bool):
+def _load_draft(spec: DictConfig, target, tokenizer, dtype, teacher: Teacher):
     src = spec.source
     if src == "hub":
         return hub_model(spec.id, dtype)
@@ -261,7 +263,7 @@ def _load_draft(spec: DictConfig, target, tokenizer, dtype, cache: Path, train_i
     if src == "distilled":
         from decoding.distill import load_or_train_draft
 
-        return load_or_train_draft(target, tokenizer, spec.recipe, cache, train_if_missing)
+        return load_or_train_draft(target, tokenizer, spec.recipe, teacher)
     raise AssertionError(f"draft source '{src}' passed PairSettings but has no loader")
 
 
@@ -281,12 +283,15 @@ def load_pair(cfg: DictConfig, train_if_missing: bool = True, n_drafts: int | No
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     cache = cache_root(cfg.get("cache_dir"))
+    recipe = RECIPES["quick"] if cfg.get("recipe") is None else check(
+        RecipeSettings, OmegaConf.to_container(cfg.recipe, resolve=True), "recipe", f"recipe={cfg.recipe.get('name')}")
+    teacher = Teacher(recipe, cache, train_if_missing)
     # Models load in fp32 on the CPU first: training a missing draft needs fp32 and a frozen target.
     target, tokenizer = _load_target(pair_cfg.target, torch.float32, cache)
     target.eval()
     drafts = []
     for i, dspec in enumerate(list(pair_cfg.get("drafts") or [])[:n_drafts]):
-        d = _load_draft(dspec, target, tokenizer, torch.float32, cache, train_if_missing)
+        d = _load_draft(dspec, target, tokenizer, torch.float32, teacher)
         drafts.append(CountedLM(d.to(device=device, dtype=dtype).eval(), "draft" if i == 0 else f"draft{i + 1}"))
     target = CountedLM(target.to(device=device, dtype=dtype), "target")
     if cfg.get("packed_linear", True) and device.type == "cpu" and dtype == torch.float32:
@@ -295,4 +300,4 @@ def load_pair(cfg: DictConfig, train_if_missing: bool = True, n_drafts: int | No
         # After loading and any draft training: only inference forwards take the packed kernels.
         for lm in (target, *drafts):
             pack_linears(lm.module)
-    return Pair(pair_cfg.name, tokenizer, target, drafts, device, dtype, cache, pair_cfg)
+    return Pair(pair_cfg.name, tokenizer, target, drafts, device, dtype, cache, pair_cfg, teacher)

@@ -238,3 +238,42 @@ def make_figures(df: pd.DataFrame, runs: list[dict], out_dir: Path) -> dict:
             plt.close(fig)
             drawn[name] = out_dir / f"{name}.png"
     return {"drawn": drawn, "skipped": skipped}
+
+
+def learning_curve(curve: dict):
+    """Held-out acceptance against teacher tokens: the distilled draft's greedy agreement (text, target answers)
+    and each head's top-1 agreement (one line per head, Medusa solid, Hydra dashed), log-scaled tokens."""
+    rows = curve["rows"]
+    x = [r["tokens"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(DOUBLE, 2.4))
+    for key, name, style in (("draft_answers", "on target answers", "o-"), ("draft_text", "on text", "s--")):
+        y = [r.get(key) for r in rows]
+        if any(v is not None for v in y):
+            left.plot(x, [math.nan if v is None else v for v in y], style, ms=3, label=name)
+    left.axhline(0.35, color="0.5", lw=0.6, ls=":", label="target 0.35")
+    left.set_title(f"distilled draft ({curve['pair']})")
+    styles = {"medusa": "-", "hydra": "--", "hydra_pp": ":"}
+    cmap = plt.get_cmap("tab10")
+    for method in curve["methods"]:
+        heads = len(rows[0].get(method) or [])
+        for k in range(heads):
+            right.plot(x, [r[method][k] for r in rows], styles.get(method, "-."), marker="o", ms=3, color=cmap(k),
+                       label=f"{method} head {k}")
+    right.set_title("draft heads")
+    for ax in (left, right):
+        ax.set_xscale("log")
+        ax.set_xlabel(f"teacher tokens (recipe={curve['recipe']} epochs)")
+        ax.set_ylabel("held-out top-1 agreement")
+        ax.legend(fontsize=6)
+    return fig
+
+
+def save_learning_curve(curve: dict, out_dir: Path) -> Path:
+    """Draw :func:`learning_curve` into ``out_dir/learning_curve.{pdf,png}``; returns the PNG's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with plt.rc_context(STYLE):
+        fig = learning_curve(curve)
+        for ext in ("pdf", "png"):
+            fig.savefig(out_dir / f"learning_curve.{ext}")
+        plt.close(fig)
+    return out_dir / "learning_curve.png"

@@ -125,11 +125,18 @@ def _html_table(df: pd.DataFrame) -> str:
     return df.to_html(index=False, na_rep="–", float_format=lambda x: f"{x:.3g}", border=0, escape=True)
 
 
-def render_report(df: pd.DataFrame, runs: list[dict], out_dir: Path, level: float = 0.95) -> Path:
-    """Write ``out_dir/report.html``: tables, figures (PNG inlined as base64) and every run's provenance."""
-    from bench.plots import FIGURES, make_figures
+def render_report(df: pd.DataFrame, runs: list[dict], out_dir: Path, level: float = 0.95,
+                  curves: list[Path] = ()) -> Path:
+    """Write ``out_dir/report.html``: tables, figures (PNG inlined as base64) and every run's provenance;
+    ``curves``: ``learning_curve.json`` files (``scripts/learning_curve.py``), each drawn as a figure too."""
+    from bench.plots import FIGURES, learning_curve, make_figures, save_learning_curve
 
     figs = make_figures(df, runs, out_dir / "figures")
+    captions = {name: fn.__doc__ for name, fn in FIGURES.items()}
+    for i, path in enumerate(curves):
+        name = "learning_curve" + (f"_{i + 1}" if len(curves) > 1 else "")
+        figs["drawn"][name] = save_learning_curve(_read_curve(path), out_dir / "figures" / name)
+        captions[name] = learning_curve.__doc__
     table = summary.summary_table(df, level=level)
     by_cat = summary.summary_table(df, by_category=True, level=level)
     write_table(table, out_dir, "summary")
@@ -149,7 +156,7 @@ def render_report(df: pd.DataFrame, runs: list[dict], out_dir: Path, level: floa
     ]
     for name, png in figs["drawn"].items():
         data = base64.b64encode(Path(png).read_bytes()).decode("ascii")
-        caption = html.escape((FIGURES[name].__doc__ or name).strip().splitlines()[0])
+        caption = html.escape((captions.get(name) or name).strip().splitlines()[0])
         parts.append(f"<figure id='fig-{name}'><img alt='{name}' src='data:image/png;base64,{data}'>"
                      f"<figcaption><b>{name}</b>: {caption}</figcaption></figure>")
     if figs["skipped"]:
@@ -168,11 +175,25 @@ def render_report(df: pd.DataFrame, runs: list[dict], out_dir: Path, level: floa
     return out
 
 
+def _read_curve(path: Path) -> dict:
+    """A ``learning_curve.json`` as written by ``scripts/learning_curve.py``; one sentence when it is not one."""
+    try:
+        curve = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(curve, dict) or not isinstance(curve.get("rows"), list) or not curve["rows"]:
+            raise ValueError("no rows")
+        return curve
+    except (OSError, ValueError) as err:
+        raise BenchError(f"'{path}' is not a learning curve written by scripts/learning_curve.py ({err}).") from None
+
+
 def report_main(argv: list[str]) -> int:
     """``python -m bench report RESULTS... [--out DIR]``: one self-contained HTML page."""
     args = _args("report", argv, _TABLE_FLAGS[1:])
-    df, runs = study.load(args.results, args.baseline)
-    path = render_report(df, runs, args.out, args.ci)
+    # A learning curve's folder (scripts/learning_curve.py) is a figure of the report, not a run.
+    curves = [p for p in map(Path, args.results) if (p / "learning_curve.json").is_file() or p.name == "learning_curve.json"]
+    runs_paths = [r for r in args.results if Path(r) not in curves]
+    df, runs = study.load(runs_paths, args.baseline)
+    path = render_report(df, runs, args.out, args.ci, [p if p.is_file() else p / "learning_curve.json" for p in curves])
     print(f"report: {path}")
     return 0
 

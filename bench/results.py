@@ -95,7 +95,8 @@ def run_key(method_cfg: dict, cfg: DictConfig, prompt_id: str) -> str:
     """A stable id of one decode's settings: same key, same measurement to make (a resumed run keeps it).
 
     Covers the method's settings, the pair's config, the dataset's config (but not ``n_prompts`` or
-    ``categories``, which only choose prompts), the prompt, temperature, top_p, max_new_tokens and seed.
+    ``categories``, which only choose prompts), the training recipe, the prompt, temperature, top_p,
+    max_new_tokens and seed.
     """
     dataset = OmegaConf.to_container(cfg.dataset, resolve=True)
     for key in ("n_prompts", "categories"):
@@ -105,6 +106,7 @@ def run_key(method_cfg: dict, cfg: DictConfig, prompt_id: str) -> str:
         "pair": OmegaConf.to_container(cfg.pair, resolve=True),
         "dataset": dataset,
         "prompt_id": prompt_id,
+        "recipe": OmegaConf.to_container(cfg.recipe, resolve=True) if cfg.get("recipe") is not None else None,
         "temperature": float(cfg.temperature),
         "top_p": float(cfg.top_p),
         "max_new_tokens": int(cfg.max_new_tokens),

@@ -176,6 +176,8 @@ def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float, samp
         "max_new_tokens": cfg.max_new_tokens,
         "seed": cfg.seed,
         "method_cfg": OmegaConf.to_container(method.cfg, resolve=True),
+        # The training recipe behind the method's trained parts (draft, heads, verifier); None: nothing trained.
+        "recipe": pair.teacher.recipe.name if method.trained() else None,
         "prompt_ids": prompt_ids,
         "output_ids": decoded.output_ids,
         "output_text": pair.tokenizer.decode(decoded.output_ids, skip_special_tokens=True),

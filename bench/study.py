@@ -66,8 +66,9 @@ def load(paths: list[str], baseline: str | None = None) -> tuple[pd.DataFrame, l
 
 
 def labels(df: pd.DataFrame) -> pd.Series:
-    """A row label per record: the method's name plus whichever of its settings (and of temperature, top_p,
-    max_new_tokens) vary across the loaded records, e.g. ``sd (gamma=2, temperature=0.7)``."""
+    """A row label per record: the method's name, the training recipe behind a trained method, then whichever
+    of its settings (and of temperature, top_p, max_new_tokens) vary across the loaded records, e.g.
+    ``sd (recipe=quick, gamma=2, temperature=0.7)``."""
     cfg_json = df["method_cfg"].map(lambda c: json.dumps(c, sort_keys=True))
     varying_global = [k for k in SAMPLING_KEYS if k in df and df[k].nunique(dropna=False) > 1]
     varying_cfg: dict[str, list[str]] = {}
@@ -78,7 +79,9 @@ def labels(df: pd.DataFrame) -> pd.Series:
 
     def label(i) -> str:
         r = df.loc[i]
-        parts = [f"{k}={r['method_cfg'].get(k)}" for k in varying_cfg[r["method"]]]
+        recipe = r.get("recipe") if "recipe" in r else None
+        parts = [f"recipe={recipe}"] if isinstance(recipe, str) else []
+        parts += [f"{k}={r['method_cfg'].get(k)}" for k in varying_cfg[r["method"]]]
         parts += [f"{k}={r[k]}" for k in varying_global]
         return f"{r['method']} ({', '.join(parts)})" if parts else str(r["method"])
 

@@ -1,8 +1,8 @@
 """The check of a composed config, run before any model loads or any training starts.
 
-Each node is validated against its declaration (:class:`RunSettings` here: the top level, the teacher store's
-``store.*`` included; ``Method.Config``: the method and the baseline; ``bench.models.PairSettings``: the pair;
-``bench.data``: the dataset's source), then the files the config names are read far enough to know they are
+Each node is validated against its declaration (:class:`RunSettings` here: the top level; ``Method.Config``:
+the method and the baseline; ``bench.models.PairSettings``: the pair; ``bench.data``: the dataset's source;
+``decoding.teacher.RecipeSettings``: the training recipe and its teacher store), then the files the config names are read far enough to know they are
 usable. The first problem is one sentence
 (:class:`bench.errors.BenchError`) naming the key, the value and what is allowed.
 """
@@ -22,9 +22,9 @@ from bench.errors import BenchError
 from bench.models import HubModel, PairSettings
 from bench.registry import get_method
 from bench.schema import Settings, as_config, check
-from decoding.teacher import StoreSettings
+from decoding.teacher import RecipeSettings
 
-GROUPS = ("method", "pair", "dataset")  # the config groups (bench.cli reads them from here)
+GROUPS = ("method", "pair", "dataset", "recipe")  # the config groups (bench.cli reads them from here)
 DEFAULT_MAX_NEW_TOKENS = 128  # when neither the command line nor the dataset sets a budget
 
 
@@ -51,7 +51,6 @@ class RunSettings(Settings):
                                 "(bench/kernels.py)")
     resume: str | None = Field(None, min_length=1, description="DIR: write the run (with -m: the sweep) into DIR, "
                                "keep its complete records, decode only the rest")
-    store: StoreSettings = Field(default_factory=StoreSettings, description="the teacher store (train store)")
 
     @field_validator("device")
     @classmethod
@@ -78,7 +77,7 @@ def plain(cfg: DictConfig) -> dict:
 
 
 def checked(cfg: DictConfig) -> dict[str, Settings]:
-    """Every node of ``cfg`` validated: ``{"": top level, "method": ..., "pair": ..., "dataset": ...}``, defaults
+    """Every node of ``cfg`` validated: ``{"": top level, "method": ..., "pair": ..., "dataset": ..., "recipe": ...}``, defaults
     filled in and ``max_new_tokens`` resolved; raises :class:`BenchError` on the first problem."""
     data = plain(cfg)
     nodes = {g: data.pop(g, None) or {} for g in GROUPS}
@@ -88,6 +87,7 @@ def checked(cfg: DictConfig) -> dict[str, Settings]:
     pair = check(PairSettings, nodes["pair"], "pair", f"pair={nodes['pair'].get('name')}")
     method_cls.check_pair(method, pair)
     dataset = dataset_settings(nodes["dataset"])
+    recipe = check(RecipeSettings, nodes["recipe"], "recipe", f"recipe={nodes['recipe'].get('name')}")
     if settings.baseline is not None:
         baseline = get_method(settings.baseline)  # an unknown name lists the known ones
         try:
@@ -96,7 +96,7 @@ def checked(cfg: DictConfig) -> dict[str, Settings]:
             raise BenchError(f"baseline={settings.baseline}: {err}") from None
     if settings.max_new_tokens is None:
         settings.max_new_tokens = dataset.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-    return {"": settings, "method": method, "pair": pair, "dataset": dataset}
+    return {"": settings, "method": method, "pair": pair, "dataset": dataset, "recipe": recipe}
 
 
 def validate(cfg: DictConfig) -> DictConfig:

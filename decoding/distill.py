@@ -13,52 +13,38 @@ rejection rule handles exactly.
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from omegaconf import DictConfig
 from pydantic import Field, NonNegativeInt
 from torch import nn
-from tqdm.auto import tqdm
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from bench.artifacts import Artifact, load_or_build, model_fingerprint, report_of
 from bench.errors import BenchError
-from bench.schema import Settings
-from decoding.corpus import Corpus, corpus
-from decoding.training import fit
+from decoding.training import TrainRecipe, fit
+
+if TYPE_CHECKING:
+    from decoding.teacher import Teacher
 
 log = logging.getLogger(__name__)
 
 
-class SelfDistill(Settings):
-    """The target answers packaged instructions; the draft learns those answers (on-policy text)."""
-
-    prompts: int = Field(64, ge=0, description="how many instructions the target answers (0: none)")
-    batch_size: int = Field(16, ge=1, description="answers generated per batch")
-    max_new_tokens: int = Field(128, ge=1, description="tokens per answer at most")
-
-
-class DistillRecipe(Settings):
-    """How a draft is distilled from the target (cached under cache_dir/drafts/, keyed by target and recipe)."""
+class DistillRecipe(TrainRecipe):
+    """How a draft is distilled from the target (cached under cache_dir/drafts/, keyed by the target, this
+    recipe and the run's training recipe: how many teacher tokens, how many epochs)."""
 
     layers: list[NonNegativeInt] = Field([0, 1, 2, 3], min_length=1, description="which target layers the draft "
                                          "starts from (renumbered 0..k-1)")
     vocab: int = Field(8192, ge=1, description="drafting vocabulary: the most frequent tokens (verification stays "
                        "lossless)")
-    corpus: Corpus = Field("lee", description="packaged training text")
-    max_tokens: int = Field(49152, ge=1, description="teacher-forced training tokens")
-    eval_tokens: int = Field(8192, ge=1, description="held-out tokens for the agreement report")
-    seq_len: int = Field(256, ge=2, description="tokens per training sequence")
     batch_size: int = Field(8, ge=1, description="sequences per training step")
-    epochs: int = Field(4, ge=1, description="passes over the training tokens")
     lr: float = Field(5.0e-4, gt=0, description="AdamW learning rate")
-    topk: int = Field(32, ge=1, description="the target's top-k probabilities kept as soft labels")
-    self_distill: SelfDistill | None = Field(None, description="on-policy answers added to the training text "
-                                             "(null: none)")
-    seed: int = Field(0, ge=0, description="seeds initialisation, data order and instruction choice")
 
 
 class DraftLM(PreTrainedModel, GenerationMixin):
@@ -125,39 +111,6 @@ def draft_from_target(target, layers: list[int], vocab_map: torch.Tensor) -> Dra
     return draft
 
 
-def token_chunks(tokenizer, docs, seq_len: int, max_tokens: int) -> torch.Tensor:
-    """Documents joined by EOS and cut into ``(n_chunks, seq_len)`` token rows, at most ``max_tokens``."""
-    eos = tokenizer.eos_token_id
-    ids: list[int] = []
-    for doc in docs:
-        ids.extend(tokenizer(doc, add_special_tokens=False)["input_ids"] + [eos])
-        if len(ids) >= max_tokens:
-            break
-    n = min(len(ids), max_tokens) // seq_len
-    if n == 0:
-        raise BenchError("the training corpus is shorter than one sequence; lower recipe.seq_len.")
-    return torch.tensor(ids[: n * seq_len]).view(n, seq_len)
-
-
-@torch.no_grad()
-def teacher_pass(target, chunks: torch.Tensor, topk: int, batch_size: int, desc: str, with_hidden: bool = False):
-    """Teacher-forced target outputs at every position of ``chunks (N, T)``.
-
-    Returns ``(hidden, idx, prob)``: the last hidden states ``(N, T, hidden)`` (``None`` unless
-    ``with_hidden``) and the target's top-k next-token ids and probabilities ``(N, T, topk)``
-    (``idx[..., 0]`` is its greedy token).
-    """
-    hidden, idx, prob = [], [], []
-    for start in tqdm(range(0, len(chunks), batch_size), desc=desc, unit="batch"):
-        out = target(chunks[start : start + batch_size], output_hidden_states=with_hidden)
-        p, i = torch.softmax(out.logits.float(), -1).topk(topk, dim=-1)
-        if with_hidden:
-            hidden.append(out.hidden_states[-1].float())
-        idx.append(i)
-        prob.append(p)
-    return (torch.cat(hidden) if with_hidden else None), torch.cat(idx), torch.cat(prob)
-
-
 def pick_vocab(tokenizer, chunks: torch.Tensor, top1: torch.Tensor, size: int) -> torch.Tensor:
     """The ``size`` tokens the target predicts or reads most often, plus every special token (EOS first)."""
     counts = Counter(top1.flatten().tolist())
@@ -196,153 +149,73 @@ def distill_loss(draft: DraftLM, x, idx, prob, to_sub):
 
 
 @torch.no_grad()
-def top1_agreement(draft: DraftLM, chunks, top1, batch_size: int) -> float:
-    """Fraction of held-out positions where the draft's greedy token equals the target's (the greedy α)."""
+def agreement(draft: DraftLM, data: dict, batch_size: int, rows=None) -> float:
+    """Fraction of labelled positions of ``data`` (a store's ``ids``, ``idx``, ``mask``) where the draft's greedy
+    token is the target's: the acceptance rate greedy SD sees at a drafted position whose prefix matched.
+    ``rows``: which sequences (default all)."""
+    rows = torch.arange(len(data["ids"])) if rows is None else torch.as_tensor(rows)
     hits = total = 0
-    for start in range(0, len(chunks), batch_size):
-        sub, _ = draft.sub_logits(chunks[start : start + batch_size])
-        pred = draft.vocab_map[sub.argmax(-1)]
-        hits += (pred == top1[start : start + batch_size]).sum().item()
-        total += pred.numel()
-    return hits / max(total, 1)
+    for part in rows.split(batch_size):
+        sub, _ = draft.sub_logits(data["ids"][part])
+        mask = data["mask"][part]
+        hits += (draft.vocab_map[sub.argmax(-1)] == data["idx"][part][..., 0])[mask].sum().item()
+        total += mask.sum().item()
+    return round(hits / total, 4) if total else float("nan")
 
 
-@torch.no_grad()
-def target_answers(target, tokenizer, prompts: list[str], batch_size: int, max_new_tokens: int, desc: str, topk: int = 0):
-    """The target's greedy answers to ``prompts`` (chat template where the tokenizer has one), batched.
-
-    Yields ``(prompt_ids, answer_ids, idx, prob)`` per prompt: ``LongTensor (P,)``, ``LongTensor (n,)`` (cut
-    after the first EOS) and, when ``topk`` > 0, the target's top-k at each answer step: ``(n, topk)`` each.
-    """
-    eos = tokenizer.eos_token_id
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"  # generation appends on the right, so prompts are aligned on the right
-    try:
-        for start in tqdm(range(0, len(prompts), batch_size), desc=desc, unit="batch"):
-            batch = prompts[start : start + batch_size]
-            if getattr(tokenizer, "chat_template", None):
-                batch = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                       tokenize=False) for p in batch]
-            enc = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)
-            out = target.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, output_logits=topk > 0,
-                                  return_dict_in_generate=True, pad_token_id=eos)
-            if topk:
-                steps = torch.stack(out.logits, 1).float()  # (B, R, vocab): the target's logits for answer token t
-                prob, idx = torch.softmax(steps, -1).topk(topk, dim=-1)
-            width = enc["input_ids"].shape[1]
-            for b in range(len(batch)):
-                answer = out.sequences[b, width:]
-                ends = (answer == eos).nonzero()
-                n = int(ends[0]) + 1 if ends.numel() else answer.numel()
-                prompt = enc["input_ids"][b][enc["attention_mask"][b].bool()]
-                yield prompt, answer[:n], (idx[b, :n] if topk else None), (prob[b, :n] if topk else None)
-    finally:
-        tokenizer.padding_side = side
+def store_data(store, fields=("ids", "idx", "prob", "mask")) -> dict[str, torch.Tensor]:
+    """Every sequence a trainer reads from ``store``, as tensors (no hidden states: those stay on disk)."""
+    return store.rows(range(len(store)), fields)
 
 
-def self_distill_data(target, tokenizer, recipe: DictConfig):
-    """The target answers packaged instructions greedily (batched); its distribution at every answer position
-    is kept as top-k soft labels. The draft then learns the target on the target's own kind of text.
-
-    Returns ``(ids, idx, prob)``: ``LongTensor (N, L)`` (right-padded with EOS), ``LongTensor (N, L, k)`` and
-    ``FloatTensor (N, L, k)`` with zero ``prob`` on prompt and padding positions.
-    """
-    from decoding.corpus import instruction_prompts
-
-    sd, k = recipe.self_distill, int(recipe.topk)
-    prompts = instruction_prompts(int(sd.prompts), int(recipe.seed))
-    rows = []
-    for prompt, answer, i, p in target_answers(target, tokenizer, prompts, int(sd.batch_size), int(sd.max_new_tokens),
-                                               "draft: target answers", topk=k):
-        ids = torch.cat([prompt, answer])
-        ridx = torch.zeros(len(ids), k, dtype=torch.long)
-        rprob = torch.zeros(len(ids), k)
-        # Position P-1+t predicts answer token t: that is where answer step t's distribution belongs.
-        ridx[len(prompt) - 1 : len(ids) - 1] = i
-        rprob[len(prompt) - 1 : len(ids) - 1] = p
-        rows.append((ids, ridx, rprob))
-    width = max(len(r[0]) for r in rows)
-    ids = torch.full((len(rows), width), tokenizer.eos_token_id, dtype=torch.long)
-    idx = torch.zeros(len(rows), width, k, dtype=torch.long)
-    prob = torch.zeros(len(rows), width, k)
-    for r, (a, b, c) in enumerate(rows):
-        ids[r, : len(a)], idx[r, : len(a)], prob[r, : len(a)] = a, b, c
-    return ids, idx, prob
-
-
-@torch.no_grad()
-def answer_agreement(draft: DraftLM, ids, idx, prob, batch_size: int) -> float:
-    """Greedy agreement on held-out target answers: the acceptance rate greedy SD sees, token by token."""
-    hits = total = 0
-    for start in range(0, len(ids), batch_size):
-        sl = slice(start, start + batch_size)
-        sub, _ = draft.sub_logits(ids[sl])
-        labelled = prob[sl][..., 0] > 0
-        hits += (draft.vocab_map[sub.argmax(-1)] == idx[sl][..., 0])[labelled].sum().item()
-        total += labelled.sum().item()
-    return hits / max(total, 1)
-
-
-def train_draft(target, tokenizer, recipe: DictConfig) -> tuple[DraftLM, dict]:
-    """Distil a draft from the frozen target on packaged text; returns the draft and its training report."""
+def train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tuple[DraftLM, dict]:
+    """Distil a draft from the frozen target on the teacher store (packaged text and the target's own answers,
+    interleaved at random); returns the draft and its training report (held-out agreement, by kind of text)."""
     torch.manual_seed(int(recipe.seed))
     target = target.float().eval()
-    train = token_chunks(tokenizer, corpus(recipe.corpus, "train"), recipe.seq_len, recipe.max_tokens)
-    held = token_chunks(tokenizer, corpus(recipe.corpus, "test"), recipe.seq_len, recipe.eval_tokens)
-    _, idx, prob = teacher_pass(target, train, recipe.topk, recipe.batch_size, "draft: target labels")
-    top1 = idx[..., 0]
-    held_top1 = teacher_pass(target, held, 1, recipe.batch_size, "draft: held-out labels")[1][..., 0]
-    batches = [(train, idx, prob)]
-    answers = None
-    if recipe.get("self_distill") and int(recipe.self_distill.prompts) > 0:
-        answers = self_distill_data(target, tokenizer, recipe)
-        hold = max(1, len(answers[0]) // 10)  # the last tenth of the answers is held out
-        held_answers = tuple(t[-hold:] for t in answers)
-        answers = tuple(t[:-hold] for t in answers)
-        batches.append(answers)
-        top1 = torch.cat([top1.flatten(), answers[1][..., 0][answers[2][..., 0] > 0]])
-    vocab_map = pick_vocab(tokenizer, train, top1, min(int(recipe.vocab), target.config.vocab_size))
+    train = store_data(teacher.store(target, tokenizer, "train"))
+    held_store = teacher.store(target, tokenizer, "test")
+    held = store_data(held_store, ("ids", "idx", "mask"))
+    m = train["mask"]
+    vocab_map = pick_vocab(tokenizer, train["ids"][m], train["idx"][..., 0][m], min(int(recipe.vocab), target.config.vocab_size))
     to_sub = sub_index(vocab_map, target.config.vocab_size)
+    train["prob"] = train["prob"] * m.unsqueeze(-1)  # padding is no label
 
     draft = draft_from_target(target, list(recipe.layers), vocab_map)
-    report = {"agreement_before": top1_agreement(draft, held, held_top1, recipe.batch_size)}
+    bs = int(recipe.batch_size)
+    report = {"agreement_before": agreement(draft, held, bs)}
     draft.body.embed_tokens.weight.requires_grad_(False)  # the input embedding stays the target's
     params = [p for p in draft.parameters() if p.requires_grad]
-    bs = int(recipe.batch_size)
-    # Batches from the news text and from the target's answers are interleaved at random each epoch.
-    plan = [(src, lo) for src, (x, _, _) in enumerate(batches) for lo in range(0, len(x), bs)]
-
-    def epoch():
-        for j in torch.randperm(len(plan)).tolist():
-            src, lo = plan[j]
-            yield tuple(t[lo : lo + bs] for t in batches[src])
-
     draft.train()
-    fit(params, epoch, lambda b: distill_loss(draft, *b, to_sub), epochs=int(recipe.epochs),
-        steps_per_epoch=len(plan), lr=float(recipe.lr), desc="draft: distilling")
+    fit(params, lambda: torch.randperm(len(train["ids"])).split(bs),
+        lambda b: distill_loss(draft, train["ids"][b], train["idx"][b], train["prob"][b], to_sub),
+        epochs=int(teacher.recipe.draft_epochs), steps_per_epoch=math.ceil(len(train["ids"]) / bs),
+        lr=float(recipe.lr), desc="draft: distilling")
     draft.eval()
-    if answers is not None:
-        report["answer_tokens"] = int((answers[2][..., 0] > 0).sum())
-        report["answer_agreement"] = answer_agreement(draft, *held_answers, recipe.batch_size)
+    answers = [i for i in range(len(held["ids"])) if held_store.kind(i) == "answers"]
     report.update(
-        agreement_after=top1_agreement(draft, held, held_top1, recipe.batch_size),
-        train_tokens=train.numel(),
-        heldout_tokens=held.numel(),
+        agreement_after=agreement(draft, held, bs),
+        # On the target's own held-out answers: the kind of text greedy SD drafts for.
+        answer_agreement=agreement(draft, held, bs, answers) if answers else None,
+        recipe=teacher.recipe.name,
+        train_tokens=int(m.sum()),
+        heldout_tokens=int(held["mask"].sum()),
         vocab=int(vocab_map.numel()),
-        vocab_coverage=float((to_sub[held_top1] >= 0).float().mean()),
+        vocab_coverage=round(float((to_sub[held["idx"][..., 0][held["mask"]]] >= 0).float().mean()), 4),
     )
     return draft, report
 
 
-def draft_artifact(target, tokenizer, recipe: DictConfig) -> Artifact:
-    """The distilled draft of (target, recipe) as a cached artifact: ``draft.pt`` (config and weights).
+def draft_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> Artifact:
+    """The distilled draft of (target, recipe, the run's training recipe) as a cached artifact: ``draft.pt``
+    (config and weights).
 
     Keyed by the target's weights, not its path: the same target found elsewhere keeps its draft.
     """
     ident = model_fingerprint(target)
 
     def build(folder: Path) -> dict:
-        draft, report = train_draft(target, tokenizer, recipe)
+        draft, report = train_draft(target, tokenizer, recipe, teacher)
         torch.save({"config": draft.config.to_dict(), "state": draft.state_dict()}, folder / "draft.pt")
         return report
 
@@ -352,16 +225,18 @@ def draft_artifact(target, tokenizer, recipe: DictConfig) -> Artifact:
         draft.load_state_dict(blob["state"])
         return draft.eval()
 
-    return Artifact("drafts", ident["name"], {"target": ident, "recipe": recipe}, build, load,
-                    hint="run 'python -m bench train draft' with the same pair= setting",
+    key = {"target": ident, "recipe": recipe, "teacher": teacher.recipe.budget("draft")}
+    return Artifact("drafts", ident["name"], key, build, load,
+                    hint="run 'python -m bench train draft' with the same pair= and recipe= settings",
                     description="distilled draft")
 
 
-def load_or_train_draft(target, tokenizer, recipe: DictConfig, cache: Path, train_if_missing: bool = True) -> DraftLM:
-    """The cached draft for (target, recipe), trained first when missing and ``train_if_missing``."""
-    return load_or_build(draft_artifact(target, tokenizer, recipe), cache, train_if_missing)
+def load_or_train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> DraftLM:
+    """The cached draft for (target, recipe, teacher.recipe), trained first when missing and the teacher may
+    build (``train_if_missing``)."""
+    return load_or_build(draft_artifact(target, tokenizer, recipe, teacher), teacher.cache, teacher.build_if_missing)
 
 
-def draft_report(target, recipe: DictConfig, cache: Path) -> dict:
-    """The training report of the cached draft for (target, recipe) ({} when there is none)."""
-    return report_of(draft_artifact(target, None, recipe), cache)
+def draft_report(target, recipe: DictConfig, teacher: Teacher) -> dict:
+    """The training report of the cached draft for (target, recipe, teacher.recipe) ({} when there is none)."""
+    return report_of(draft_artifact(target, None, recipe, teacher), teacher.cache)

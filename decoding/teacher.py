@@ -16,6 +16,10 @@ the shard's index -- not by how many tokens are wanted. So a killed build keeps 
 resumes at the first missing one, and asking for more tokens appends shards and keeps what was labelled.
 Arrays are ``.npy`` files read back memory-mapped: a trainer touches only the rows it samples.
 
+How much of the store a run's trainers read, and for how many epochs, is the run's recipe (``recipe=smoke|quick|
+full``, :class:`RecipeSettings`); :class:`Teacher` hands every trainer of a run the same stores (a train split of
+``recipe.tokens``, a held-out split of ``recipe.eval_tokens``), grown on first use.
+
 Per shard (S sequences, L = seq_len, k = topk, H = hidden size):
 ``ids (S, L) int32``, ``mask (S, L) bool`` (False on padding), ``idx (S, L, k) int32`` and ``prob (S, L, k)
 float16`` (the target's top-k at each position: ``idx[..., 0]`` is its greedy next token), ``hidden (S, L, H)
@@ -26,11 +30,11 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
@@ -48,7 +52,6 @@ from bench.artifacts import (
 from bench.errors import BenchError
 from bench.schema import Settings
 from decoding.corpus import Corpus, corpus, instruction_prompts
-from decoding.distill import target_answers, teacher_pass
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +59,8 @@ FILES = ("ids", "mask", "idx", "prob", "hidden")
 
 
 class StoreSettings(Settings):
-    """``store.*``: what the teacher store holds and how it is built (``python -m bench train store``)."""
+    """``recipe.store.*``: what the teacher store holds and how it is built (its size is ``recipe.tokens``)."""
 
-    tokens: int = Field(65536, ge=1, description="labelled tokens wanted; the store grows to at least this many "
-                        "(whole shards), keeping what is already labelled")
     corpus: Corpus = Field("lee+wiki", description="packaged text that is teacher-forced")
     answers: float = Field(0.25, ge=0, le=1, description="share of shards made of the target's own greedy "
                            "answers to packaged instructions (on-policy text)")
@@ -69,21 +70,60 @@ class StoreSettings(Settings):
     shard_sequences: int = Field(64, ge=1, description="sequences per shard: the unit that is built, kept after "
                                  "a kill and appended")
     topk: int = Field(32, ge=1, description="the target's top-k next-token probabilities kept per position")
-    hidden: bool = Field(True, description="keep the target's last hidden states (float16)")
+    hidden: bool = Field(True, description="keep the target's last hidden states (float16): heads, the SPRINTER "
+                         "verifier's sampling labels and the teacher loss need them")
     batch_size: int = Field(8, ge=1, description="sequences per teacher-forced forward")
-    split: Literal["train", "test"] = Field("train", description="which half of the packaged text and "
-                                            "instructions (test: held out, for evaluation)")
     seed: int = Field(0, ge=0, description="which instructions are answered, in which order")
+
+
+class RecipeSettings(Settings):
+    """How much the target labels and how long the trainers train (``recipe=smoke|quick|full``). Every trainer of
+    a run (distilled drafts, Medusa/Hydra heads, the SPRINTER verifier) reads the same teacher store under the
+    same recipe; records name the recipe behind each trained method."""
+
+    name: str = Field("quick", pattern=r"^[A-Za-z0-9_.-]+$", description="the recipe's name, as records and "
+                      "tables show it")
+    tokens: int = Field(65536, ge=1, description="teacher tokens each trainer reads (train split: the first "
+                        "ceil(tokens / seq_len) stored sequences); the store grows to hold them")
+    eval_tokens: int = Field(16384, ge=1, description="held-out teacher tokens (test split) for the trainers' "
+                             "reports")
+    draft_epochs: int = Field(2, ge=1, description="passes of a distilled draft over the teacher tokens")
+    heads_epochs: int = Field(2, ge=1, description="passes of Medusa / Hydra heads over the teacher tokens")
+    verifier_epochs: int = Field(8, ge=1, description="passes of the SPRINTER verifier over its examples")
+    store: StoreSettings = Field(default_factory=StoreSettings, description="what the teacher store holds")
+
+    def budget(self, trainer: str) -> dict:
+        """What a trained artifact of ``trainer`` (draft, heads, verifier) depends on in the recipe: the store's
+        contents, how many of its tokens are read and for how many epochs (not the recipe's name)."""
+        return {"store": self.store.model_dump(mode="json"), "tokens": self.tokens, "eval_tokens": self.eval_tokens,
+                "epochs": getattr(self, f"{trainer}_epochs")}
+
+
+# The presets of ``recipe=NAME``. quick and full share one store (full appends to quick's shards): full is
+# sized so that ``python -m bench train all recipe=full`` ends within an hour on 2 CPU cores (README).
+RECIPES = {
+    "smoke": RecipeSettings(name="smoke", tokens=4096, eval_tokens=1024, draft_epochs=1, heads_epochs=1,
+                            verifier_epochs=2, store=StoreSettings(corpus="lee", seq_len=64, shard_sequences=16,
+                                                                    answer_tokens=32, topk=8)),
+    "quick": RecipeSettings(),
+    "full": RecipeSettings(name="full", tokens=196608, eval_tokens=32768, draft_epochs=2, heads_epochs=2,
+                           verifier_epochs=8),
+}
 
 
 @dataclass
 class TeacherStore:
-    """The shards of one store, memory-mapped: ``shards[i][name]`` is an ``np.ndarray`` (see the module doc)."""
+    """The shards of one store, memory-mapped: ``shards[i][name]`` is an ``np.ndarray`` (see the module doc).
+
+    ``limit``: how many sequences a trainer may read (the first ``ceil(tokens / seq_len)``), however far the
+    store on disk has grown: a trained artifact depends on its recipe only, not on the store's history.
+    """
 
     settings: StoreSettings
     shards: list[dict[str, np.ndarray]]
     folder: Path
     reports: list[dict]  # each shard's build report: kind, tokens, seconds, tokens_per_s
+    limit: int
 
     def report(self) -> dict:
         """What the store holds and what labelling cost, by kind of shard (``train store`` prints it)."""
@@ -96,25 +136,107 @@ class TeacherStore:
         return out
 
     def __len__(self) -> int:
-        """Stored sequences."""
-        return sum(len(s["ids"]) for s in self.shards)
+        """Sequences a trainer reads."""
+        return min(self.limit, sum(len(s["ids"]) for s in self.shards))
 
     @property
     def tokens(self) -> int:
-        """Labelled (non-padding) positions."""
-        return int(sum(s["mask"].sum() for s in self.shards))
+        """Labelled (non-padding) positions among those sequences."""
+        return int(self.rows(range(len(self)), ("mask",))["mask"].sum())
 
-    def rows(self, index) -> dict[str, torch.Tensor]:
+    def kind(self, i: int) -> str:
+        """``text`` or ``answers``: what sequence ``i`` holds."""
+        return self.reports[i // self.settings.shard_sequences].get("kind", "text")
+
+    def rows(self, index, fields=FILES) -> dict[str, torch.Tensor]:
         """Sequences ``index`` (ints in ``[0, len)``) as tensors: ``ids``, ``idx`` LongTensor, ``prob``,
-        ``hidden`` FloatTensor, ``mask`` BoolTensor; only those rows are read from disk."""
+        ``hidden`` FloatTensor, ``mask`` BoolTensor (those of ``fields`` the store has); only those rows are
+        read from disk."""
         per = self.settings.shard_sequences
         out: dict[str, list] = {}
         for i in index:
+            if not 0 <= int(i) < len(self):
+                raise IndexError(f"sequence {int(i)} of a store of {len(self)}")
             shard, row = self.shards[int(i) // per], int(i) % per
-            for name, arr in shard.items():
-                out.setdefault(name, []).append(np.asarray(arr[row]))
+            for name in fields:
+                if name in shard:
+                    out.setdefault(name, []).append(np.asarray(shard[name][row]))
         cast = {"ids": torch.long, "idx": torch.long, "prob": torch.float32, "hidden": torch.float32, "mask": torch.bool}
         return {name: torch.from_numpy(np.stack(v)).to(cast[name]) for name, v in out.items()}
+
+
+# --------------------------------------------------------------------------------------------- labelling
+
+
+def token_chunks(tokenizer, docs, seq_len: int, max_tokens: int) -> torch.Tensor:
+    """Documents joined by EOS and cut into ``(n_chunks, seq_len)`` token rows, at most ``max_tokens``."""
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for doc in docs:
+        ids.extend(tokenizer(doc, add_special_tokens=False)["input_ids"] + [eos])
+        if len(ids) >= max_tokens:
+            break
+    n = min(len(ids), max_tokens) // seq_len
+    if n == 0:
+        raise BenchError("the text is shorter than one sequence; ask for a shorter seq_len.")
+    return torch.tensor(ids[: n * seq_len]).view(n, seq_len)
+
+
+@torch.no_grad()
+def teacher_pass(target, chunks: torch.Tensor, topk: int, batch_size: int, desc: str, with_hidden: bool = False):
+    """Teacher-forced target outputs at every position of ``chunks (N, T)``.
+
+    Returns ``(hidden, idx, prob)``: the last hidden states ``(N, T, hidden)`` (``None`` unless
+    ``with_hidden``) and the target's top-k next-token ids and probabilities ``(N, T, topk)``
+    (``idx[..., 0]`` is its greedy token).
+    """
+    hidden, idx, prob = [], [], []
+    for start in tqdm(range(0, len(chunks), batch_size), desc=desc, unit="batch"):
+        out = target(chunks[start : start + batch_size], output_hidden_states=with_hidden)
+        p, i = torch.softmax(out.logits.float(), -1).topk(topk, dim=-1)
+        if with_hidden:
+            hidden.append(out.hidden_states[-1].float())
+        idx.append(i)
+        prob.append(p)
+    return (torch.cat(hidden) if with_hidden else None), torch.cat(idx), torch.cat(prob)
+
+
+
+
+@torch.no_grad()
+def target_answers(target, tokenizer, prompts: list[str], batch_size: int, max_new_tokens: int, desc: str, topk: int = 0):
+    """The target's greedy answers to ``prompts`` (chat template where the tokenizer has one), batched.
+
+    Yields ``(prompt_ids, answer_ids, idx, prob)`` per prompt: ``LongTensor (P,)``, ``LongTensor (n,)`` (cut
+    after the first EOS) and, when ``topk`` > 0, the target's top-k at each answer step: ``(n, topk)`` each.
+    """
+    eos = tokenizer.eos_token_id
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"  # generation appends on the right, so prompts are aligned on the right
+    try:
+        for start in tqdm(range(0, len(prompts), batch_size), desc=desc, unit="batch"):
+            batch = prompts[start : start + batch_size]
+            if getattr(tokenizer, "chat_template", None):
+                batch = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                       tokenize=False) for p in batch]
+            enc = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)
+            out = target.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, output_logits=topk > 0,
+                                  return_dict_in_generate=True, pad_token_id=eos)
+            if topk:
+                steps = torch.stack(out.logits, 1).float()  # (B, R, vocab): the target's logits for answer token t
+                prob, idx = torch.softmax(steps, -1).topk(topk, dim=-1)
+            width = enc["input_ids"].shape[1]
+            for b in range(len(batch)):
+                answer = out.sequences[b, width:]
+                ends = (answer == eos).nonzero()
+                n = int(ends[0]) + 1 if ends.numel() else answer.numel()
+                prompt = enc["input_ids"][b][enc["attention_mask"][b].bool()]
+                yield prompt, answer[:n], (idx[b, :n] if topk else None), (prob[b, :n] if topk else None)
+    finally:
+        tokenizer.padding_side = side
+
+
+# --------------------------------------------------------------------------------------------- the store
 
 
 def shard_kinds(settings: StoreSettings, n: int) -> list[tuple[str, int]]:
@@ -132,13 +254,13 @@ def shard_kinds(settings: StoreSettings, n: int) -> list[tuple[str, int]]:
 class _Sources:
     """The packaged text as one token stream and the instruction pool, tokenised once, on first use."""
 
-    def __init__(self, tokenizer, settings: StoreSettings):
-        self.tok, self.s = tokenizer, settings
+    def __init__(self, tokenizer, settings: StoreSettings, split: str):
+        self.tok, self.s, self.split = tokenizer, settings, split
 
     @cached_property
     def stream(self) -> list[int]:
         eos, ids = self.tok.eos_token_id, []
-        for doc in corpus(self.s.corpus, self.s.split):
+        for doc in corpus(self.s.corpus, self.split):
             ids += self.tok(doc, add_special_tokens=False)["input_ids"] + [eos]
         return ids
 
@@ -146,16 +268,17 @@ class _Sources:
     def prompts(self) -> list[str]:
         pool = instruction_prompts(10**6, self.s.seed)  # every instruction, shuffled by seed
         cut = int(len(pool) * 0.9)  # the last tenth is held out (split=test)
-        return pool[:cut] if self.s.split == "train" else pool[cut:]
+        return pool[:cut] if self.split == "train" else pool[cut:]
 
     def text(self, i: int) -> torch.Tensor:
         """Text shard ``i``: ``LongTensor (S, L)``, the i-th slice of the stream."""
         S, L = self.s.shard_sequences, self.s.seq_len
         start, end = i * S * L, (i + 1) * S * L
         if end > len(self.stream):
-            raise BenchError(f"store.corpus '{self.s.corpus}' ({self.s.split}) holds {len(self.stream):,} tokens, "
-                             f"enough for {len(self.stream) // (S * L)} text shards of {S * L:,}; ask for fewer "
-                             "store.tokens, a larger store.corpus or a larger store.answers share.")
+            raise BenchError(f"recipe.store.corpus '{self.s.corpus}' ({self.split} split) holds "
+                             f"{len(self.stream):,} tokens, enough for {len(self.stream) // (S * L)} text shards of "
+                             f"{S * L:,}; ask for fewer recipe.tokens (or eval_tokens), a larger recipe.store.corpus "
+                             "or a larger recipe.store.answers share.")
         return torch.tensor(self.stream[start:end]).view(S, L)
 
     def answers(self, target, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,11 +310,11 @@ def label(target, ids: torch.Tensor, settings: StoreSettings) -> dict[str, np.nd
     return out
 
 
-def shard_artifact(target, tokenizer, settings: StoreSettings, j: int, kind: tuple[str, int], sources: _Sources,
-                   fingerprint: dict) -> Artifact:
-    """Shard ``j`` of the store, as an artifact: built by labelling its text (or generating, then labelling,
-    its answers), loaded memory-mapped."""
-    key = {"target": fingerprint, "store": settings.model_dump(exclude={"tokens"}), "shard": j, "kind": kind}
+def shard_artifact(target, tokenizer, settings: StoreSettings, split: str, j: int, kind: tuple[str, int],
+                   sources: _Sources, fingerprint: dict) -> Artifact:
+    """Shard ``j`` of the ``split`` store, as an artifact: built by labelling its text (or generating, then
+    labelling, its answers), loaded memory-mapped."""
+    key = {"target": fingerprint, "store": settings.model_dump(mode="json"), "split": split, "shard": j, "kind": kind}
 
     def build(folder: Path) -> dict:
         _ = sources.stream if kind[0] == "text" else sources.prompts  # read once, before the clock: not labelling
@@ -212,22 +335,64 @@ def shard_artifact(target, tokenizer, settings: StoreSettings, j: int, kind: tup
         return {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in FILES
                 if (folder / f"{name}.npy").exists()}
 
-    store = f"store-{settings.split}-{content_key(fingerprint, key['store'])}"
+    store = f"store-{split}-{content_key(fingerprint, key['store'])}"
     return Artifact("teacher", f"{store}/shard-{j:05d}", key, build, load, description=f"teacher store shard {j}",
-                    hint="run 'python -m bench train store' (or with train_if_missing=true)")
+                    hint="run 'python -m bench train store' with the same pair= and recipe= (or train_if_missing=true)")
 
 
-def load_or_grow_store(target, tokenizer, settings: StoreSettings, cache: Path, build_if_missing: bool = True) -> TeacherStore:
-    """The store of ``target`` with at least ``settings.tokens`` positions (whole shards): shards already built
-    are loaded, missing ones built in order (a progress bar per shard). ``target`` is the frozen fp32 target."""
+def shard_bytes(settings: StoreSettings, hidden_size: int) -> int:
+    """Bytes one shard takes on disk (its .npy arrays)."""
+    per_position = 4 + 1 + settings.topk * (4 + 2) + (2 * hidden_size if settings.hidden else 0)
+    return settings.shard_sequences * settings.seq_len * per_position
+
+
+def check_disk(folder: Path, missing: int, settings: StoreSettings, hidden_size: int) -> None:
+    """Refuse a build whose missing shards would not fit on the disk, before any of them is labelled."""
+    need = missing * shard_bytes(settings, hidden_size)
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        raise BenchError(f"the teacher store needs {need / 2**30:.2f} GiB more for {missing} shards but {folder} has "
+                         f"{free / 2**30:.2f} GiB free; free some space, set cache_dir= elsewhere or ask for fewer "
+                         "recipe.tokens.")
+
+
+def load_or_grow_store(target, tokenizer, settings: StoreSettings, cache: Path, tokens: int, split: str = "train",
+                       build_if_missing: bool = True) -> TeacherStore:
+    """The ``split`` store of ``target`` holding at least ``tokens`` positions (whole shards): shards already
+    built are loaded, missing ones built in order (a progress bar per shard). ``target`` is the frozen target;
+    the store's limit is ``ceil(tokens / seq_len)`` sequences."""
     per_shard = settings.shard_sequences * settings.seq_len
-    n = math.ceil(settings.tokens / per_shard)
+    n = math.ceil(tokens / per_shard)
     fingerprint = {**model_fingerprint(target), "tokenizer": tokenizer_fingerprint(tokenizer)}
-    sources = _Sources(tokenizer, settings)
+    sources = _Sources(tokenizer, settings, split)
+    arts = [shard_artifact(target, tokenizer, settings, split, j, kind, sources, fingerprint)
+            for j, kind in enumerate(shard_kinds(settings, n))]
+    missing = [a for a in arts if not report_of(a, cache)]
+    if missing and build_if_missing:
+        check_disk(arts[0].folder(cache).parent, len(missing), settings, target.config.hidden_size)
     shards, reports = [], []
     with torch.inference_mode():
-        for j, kind in enumerate(tqdm(shard_kinds(settings, n), desc="teacher store", unit="shard")):
-            art = shard_artifact(target, tokenizer, settings, j, kind, sources, fingerprint)
+        for art in tqdm(arts, desc=f"teacher store ({split})", unit="shard"):
             shards.append(load_or_build(art, cache, build_if_missing))
             reports.append(report_of(art, cache))
-    return TeacherStore(settings, shards, art.folder(cache).parent, reports)
+    return TeacherStore(settings, shards, arts[0].folder(cache).parent, reports, math.ceil(tokens / settings.seq_len))
+
+
+@dataclass
+class Teacher:
+    """What every trainer of a run reads: the run's recipe and the target's stores under it (train and held-out),
+    built or grown on first use and shared, so a run that trains a draft and heads labels its text once."""
+
+    recipe: RecipeSettings
+    cache: Path
+    build_if_missing: bool = True
+    stores: dict = field(default_factory=dict, repr=False)
+
+    def store(self, target, tokenizer, split: str = "train") -> TeacherStore:
+        """The ``train`` store (``recipe.tokens``) or the held-out ``test`` store (``recipe.eval_tokens``)."""
+        if split not in self.stores:
+            tokens = self.recipe.tokens if split == "train" else self.recipe.eval_tokens
+            self.stores[split] = load_or_grow_store(target, tokenizer, self.recipe.store, self.cache, tokens, split,
+                                                    self.build_if_missing)
+        return self.stores[split]

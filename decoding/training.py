@@ -1,11 +1,24 @@
-"""The one small training loop shared by the draft, the heads and the verifier (AdamW, a progress bar)."""
+"""The one small training loop shared by the draft, the heads and the verifier (AdamW, a progress bar), and the
+settings every trainer has. How much each trains (teacher tokens, epochs) is the run's recipe
+(:class:`decoding.teacher.RecipeSettings`), not the trainer's."""
 
 from __future__ import annotations
 
 from typing import Callable, Iterable
 
 import torch
+from pydantic import Field
 from tqdm.auto import tqdm
+
+from bench.schema import Settings
+
+
+class TrainRecipe(Settings):
+    """What every trainer's recipe holds (a subclass sets its own defaults and adds its model's settings)."""
+
+    batch_size: int = Field(8, ge=1, description="sequences per training step")
+    lr: float = Field(1.0e-3, gt=0, description="AdamW learning rate")
+    seed: int = Field(0, ge=0, description="seeds initialisation and data order")
 
 
 def fit(

@@ -17,9 +17,12 @@ Hydra++'s prefix attention layer (Ankner et al. 2024, Sec. 5; ``recipe.prefix_la
 target's last hidden states of the whole sequence, and its output at position t replaces h_t as the heads'
 input. It keeps a KV cache of its own while decoding and is trained jointly with the heads.
 
-Training is self-distillation with the target frozen and teacher-forced on packaged text: the label of
-head k at position t is the target's own next-token distribution at position t + k + 1 -- its greedy token
-(``loss: top1``) or its top-k distribution (``loss: teacher``, Hydra++'s teacher distillation).
+Training is self-distillation from the teacher store (:mod:`decoding.teacher`: packaged text and the target's
+own answers, teacher-forced once per target): the heads read the stored hidden states, and the label of head
+k at position t is the target's own next-token distribution at position t + k + 1 -- its greedy token
+(``loss: top1``) or its whole distribution over the heads' vocabulary, recomputed from the stored hidden
+state by the target's output rows (``loss: teacher``, Hydra++'s teacher distillation). Hydra++'s heads are
+also deeper (``recipe.layers``: 4 residual blocks per head, after the paper's Sec. 5).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Literal
 
 import torch
 from omegaconf import DictConfig
-from pydantic import Field, model_validator
+from pydantic import Field
 from torch import nn
 
 from bench.artifacts import (
@@ -43,43 +46,31 @@ from bench.artifacts import (
     report_of,
 )
 from bench.counting import Counted, CountedModule
-from bench.schema import Settings
-from decoding.corpus import Corpus, corpus
-from decoding.distill import pick_vocab, sub_index, teacher_pass, token_chunks
-from decoding.training import fit
+from bench.errors import BenchError
+from decoding.distill import pick_vocab, sub_index
+from decoding.teacher import Teacher
+from decoding.training import TrainRecipe, fit
 
 log = logging.getLogger(__name__)
 
 KINDS = ("medusa", "hydra")
 
 
-class HeadsRecipe(Settings):
-    """How Medusa / Hydra heads are trained (cached under cache_dir/heads/, keyed by the target and this recipe)."""
+class HeadsRecipe(TrainRecipe):
+    """How Medusa / Hydra heads are trained (cached under cache_dir/heads/, keyed by the target, this recipe and
+    the run's training recipe: how many teacher tokens, how many epochs)."""
 
     num_heads: int = Field(4, ge=1, description="head k proposes the token k + 1 steps after the target's next one")
+    layers: int = Field(1, ge=1, description="residual MLP blocks per head (Medusa and Hydra: 1; Hydra++: 4)")
     vocab: int = Field(8192, ge=1, description="heads propose from the most frequent tokens only (verification "
                        "stays lossless)")
-    loss: Literal["top1", "teacher"] = Field("top1", description="top1: the target's greedy token; teacher: its "
-                                             "top-k distribution (soft labels)")
-    topk: int = Field(32, ge=1, description="soft labels kept per position when loss = teacher")
+    loss: Literal["top1", "teacher"] = Field("top1", description="top1: the target's greedy token; teacher: the "
+                                             "target's whole distribution (over the heads' vocabulary, from its "
+                                             "stored hidden states: Hydra++'s teacher distillation)")
     decay: float = Field(0.8, gt=0, le=1, description="head k's loss weight is decay**k (later heads are harder "
                          "and matter less)")
-    corpus: Corpus = Field("lee", description="packaged training text")
-    max_tokens: int = Field(16384, ge=1, description="teacher-forced training tokens")
-    eval_tokens: int = Field(8192, ge=1, description="held-out tokens for the per-head agreement report")
-    seq_len: int = Field(256, ge=2, description="tokens per training sequence")
-    batch_size: int = Field(8, ge=1, description="sequences per training step")
-    epochs: int = Field(2, ge=1, description="passes over the training tokens")
-    lr: float = Field(1.0e-3, gt=0, description="AdamW learning rate")
-    seed: int = Field(0, ge=0, description="seeds the heads' initialisation and the data order")
     prefix_layer: bool = Field(False, description="Hydra++'s prefix attention layer feeds the heads "
                                "(hydra_pp's default)")
-
-    @model_validator(mode="after")
-    def long_enough(self):
-        if self.seq_len <= self.num_heads + 1:
-            raise ValueError(f"seq_len ({self.seq_len}) must exceed num_heads + 1 ({self.num_heads + 1}).")
-        return self
 
 
 class ResBlock(nn.Module):
@@ -96,15 +87,19 @@ class ResBlock(nn.Module):
 
 
 class Heads(nn.Module):
-    """K draft heads over a reduced vocabulary ``vocab_map`` (``LongTensor (V',)`` of full-vocabulary ids)."""
+    """K draft heads over a reduced vocabulary ``vocab_map`` (``LongTensor (V',)`` of full-vocabulary ids), each
+    ``layers`` residual blocks deep (the first reads the head's input features) and a projection."""
 
-    def __init__(self, kind: str, hidden: int, num_heads: int, vocab_map: torch.Tensor):
+    def __init__(self, kind: str, hidden: int, num_heads: int, vocab_map: torch.Tensor, layers: int = 1):
         super().__init__()
         self.kind = kind
         self.num_heads = num_heads
+        self.layers = layers
         # Hydra head k reads h and the k + 1 path embeddings: (k + 2) * hidden input features.
         width = [hidden if kind == "medusa" else (k + 2) * hidden for k in range(num_heads)]
         self.blocks = nn.ModuleList(ResBlock(hidden, w) for w in width)
+        # Hydra++'s deeper heads: more blocks of x + SiLU(W x) after the first (each starts as the identity).
+        self.deeper = nn.ModuleList(nn.Sequential(*(ResBlock(hidden) for _ in range(layers - 1))) for _ in width)
         self.proj = nn.ModuleList(nn.Linear(hidden, vocab_map.numel(), bias=False) for _ in range(num_heads))
         self.register_buffer("vocab_map", vocab_map.long(), persistent=True)
 
@@ -119,9 +114,9 @@ class Heads(nn.Module):
             ``(..., V')``.
         """
         if self.kind == "medusa":
-            return self.proj[k](self.blocks[k](hidden))
+            return self.proj[k](self.deeper[k](self.blocks[k](hidden)))
         features = torch.cat([hidden, path_emb.flatten(-2)], dim=-1)
-        return self.proj[k](self.blocks[k](hidden, features))
+        return self.proj[k](self.deeper[k](self.blocks[k](hidden, features)))
 
     def forward(self, hidden: torch.Tensor, path_emb: torch.Tensor | None = None) -> torch.Tensor:
         """Medusa: all heads, ``(..., hidden)`` -> ``(..., K, V')``. Hydra: the head that ``path_emb``'s length
@@ -132,7 +127,8 @@ class Heads(nn.Module):
 
     def head_weights(self, k: int) -> int:
         """Matmul weights of head k alone (for FLOPs)."""
-        return self.blocks[k].linear.weight.numel() + self.proj[k].weight.numel()
+        deeper = sum(b.linear.weight.numel() for b in self.deeper[k])
+        return self.blocks[k].linear.weight.numel() + deeper + self.proj[k].weight.numel()
 
 
 class CountedHeads(CountedModule):
@@ -234,50 +230,59 @@ def head_logits(heads: Heads, k: int, hidden: torch.Tensor, chunks: torch.Tensor
     return heads.head(k, h, emb)
 
 
-def heads_loss(heads: Heads, hidden, chunks, idx, prob, to_sub, loss: str, embed, decay: float,
-               prefix: PrefixLayer | None = None) -> torch.Tensor:
+def heads_loss(heads: Heads, batch: dict, to_sub, loss: str, embed, decay: float, prefix: PrefixLayer | None = None,
+               teacher_head: nn.Linear | None = None) -> torch.Tensor:
     """Sum over heads of ``decay**k`` times head k's cross-entropy against the target at position t + k + 1,
-    restricted to the reduced vocabulary (labels outside it are dropped / renormalised away). With a
-    ``prefix`` layer the heads read its output over ``hidden`` (trained jointly, through this loss)."""
-    if prefix is not None:
-        hidden = prefix(hidden)
+    restricted to the reduced vocabulary, over positions where both t and t + k + 1 are text (not padding).
+
+    ``batch``: a store's ``ids (B, T)``, ``idx (B, T, k)``, ``mask (B, T)`` and ``hidden (B, T, H)``. ``loss``
+    ``top1``: the target's greedy token (labels outside the vocabulary are dropped); ``teacher``: the target's
+    whole distribution over the heads' vocabulary, ``softmax(teacher_head(h_{t+k+1}))`` (the target's own output
+    rows over its stored hidden state, so nothing is cut to a top-k). With a ``prefix`` layer the heads read its
+    output over the hidden states (trained jointly, through this loss).
+    """
+    hidden, ids, mask = batch["hidden"], batch["ids"], batch["mask"]
+    T = hidden.shape[1]
+    inputs = prefix(hidden) if prefix is not None else hidden
     total = hidden.new_zeros(())
     for k in range(heads.num_heads):
-        logq = torch.log_softmax(head_logits(heads, k, hidden, chunks, embed).float(), -1)
-        sub = to_sub[idx[:, k + 1 :]]  # (B, T-k-1, topk); -1 outside the reduced vocabulary
+        logq = torch.log_softmax(head_logits(heads, k, inputs, ids, embed).float(), -1)
+        keep = mask[:, : T - k - 1] & mask[:, k + 1 :]
         if loss == "top1":
-            label = sub[..., 0]
-            keep = label >= 0
+            label = to_sub[batch["idx"][:, k + 1 :, 0]]  # -1 outside the reduced vocabulary
+            keep = keep & (label >= 0)
             ce = -logq.gather(-1, label.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-            term = (ce * keep).sum() / keep.sum().clamp_min(1)
         else:
-            w = prob[:, k + 1 :] * (sub >= 0)
-            w = w / w.sum(-1, keepdim=True).clamp_min(1e-9)
-            term = -(w * logq.gather(-1, sub.clamp_min(0))).sum(-1).mean()
-        total = total + decay**k * term
+            with torch.no_grad():
+                p = torch.softmax(teacher_head(hidden[:, k + 1 :]).float(), -1)
+            ce = -(p * logq).sum(-1)
+        total = total + decay**k * (ce * keep).sum() / keep.sum().clamp_min(1)
     return total
 
 
 @torch.no_grad()
-def head_agreement(heads: Heads, hidden, chunks, top1, embed, batch_size: int,
-                   prefix: PrefixLayer | None = None) -> list[float]:
+def head_agreement(heads: Heads, store, embed, batch_size: int, prefix: PrefixLayer | None = None,
+                   device=None) -> list[float]:
     """Per head: fraction of held-out positions where head k's greedy token equals the target's greedy token
     k + 1 steps after its next one (teacher-forced: the acceptance rate of a depth-(k+1) chain node whose
-    ancestors were accepted)."""
+    ancestors were accepted), on the store's text positions."""
     hits, total = [0] * heads.num_heads, [0] * heads.num_heads
-    for s in range(0, len(chunks), batch_size):
-        b = slice(s, s + batch_size)
-        h = hidden[b] if prefix is None else prefix(hidden[b])
+    for part in torch.arange(len(store)).split(batch_size):
+        b = {n: t.to(device) for n, t in store.rows(part, ("ids", "idx", "mask", "hidden")).items()}
+        h = b["hidden"] if prefix is None else prefix(b["hidden"])
+        T = h.shape[1]
         for k in range(heads.num_heads):
-            pred = heads.vocab_map[head_logits(heads, k, h, chunks[b], embed).argmax(-1)]
-            hits[k] += (pred == top1[b, k + 1 :]).sum().item()
-            total[k] += pred.numel()
+            pred = heads.vocab_map[head_logits(heads, k, h, b["ids"], embed).argmax(-1)]
+            keep = b["mask"][:, : T - k - 1] & b["mask"][:, k + 1 :]
+            hits[k] += (pred == b["idx"][:, k + 1 :, 0])[keep].sum().item()
+            total[k] += keep.sum().item()
     return [round(h / max(n, 1), 4) for h, n in zip(hits, total)]
 
 
-def train_heads(target, tokenizer, kind: str, recipe: DictConfig) -> tuple[Heads, PrefixLayer | None, dict]:
-    """Train K heads of ``kind`` (and the prefix layer, when the recipe asks for one) on the frozen target
-    (fp32, CPU or wherever it lives); returns them (on the CPU) and a report."""
+def train_heads(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teacher) -> tuple[Heads, PrefixLayer | None, dict]:
+    """Train K heads of ``kind`` (and the prefix layer, when the recipe asks for one) from the teacher store of
+    the frozen target: its stored hidden states are the heads' input, its labels their targets. Returns them
+    (on the CPU) and a report."""
     torch.manual_seed(int(recipe.seed))
     if next(target.parameters()).dtype != torch.float32:
         target = copy.deepcopy(target).float()  # train in fp32 without changing the pair's target
@@ -285,38 +290,53 @@ def train_heads(target, tokenizer, kind: str, recipe: DictConfig) -> tuple[Heads
     device = next(target.parameters()).device
     embed = target.get_input_embeddings()
     K, bs = int(recipe.num_heads), int(recipe.batch_size)
-    train = token_chunks(tokenizer, corpus(recipe.corpus, "train"), recipe.seq_len, recipe.max_tokens).to(device)
-    held = token_chunks(tokenizer, corpus(recipe.corpus, "test"), recipe.seq_len, recipe.eval_tokens).to(device)
-    topk = int(recipe.topk) if recipe.loss == "teacher" else 1
-    hidden, idx, prob = teacher_pass(target, train, topk, bs, f"{kind}: target labels", with_hidden=True)
-    held_hidden, held_idx, _ = teacher_pass(target, held, 1, bs, f"{kind}: held-out labels", with_hidden=True)
-    vocab_map = pick_vocab(tokenizer, train.cpu(), idx[..., 0].cpu(), min(int(recipe.vocab), target.config.vocab_size))
+    settings = teacher.recipe.store
+    if not settings.hidden:
+        raise BenchError("heads read the target's hidden states, which this store does not keep; set "
+                         "recipe.store.hidden=true.")
+    if settings.seq_len <= K + 1:
+        raise BenchError(f"recipe.store.seq_len ({settings.seq_len}) must exceed method.recipe.num_heads + 1 ({K + 1}).")
+    train, held = teacher.store(target, tokenizer, "train"), teacher.store(target, tokenizer, "test")
+    cols = train.rows(range(len(train)), ("ids", "idx", "mask"))
+    m = cols["mask"]
+    vocab_map = pick_vocab(tokenizer, cols["ids"][m], cols["idx"][..., 0][m], min(int(recipe.vocab), target.config.vocab_size))
     to_sub = sub_index(vocab_map, target.config.vocab_size).to(device)
 
-    heads = Heads(kind, target.config.hidden_size, K, vocab_map).to(device)
+    out_rows = target.get_output_embeddings().weight.data[vocab_map.to(device)]
+    heads = Heads(kind, target.config.hidden_size, K, vocab_map, int(recipe.get("layers", 1))).to(device)
     for proj in heads.proj:
-        proj.weight.data.copy_(target.get_output_embeddings().weight.data[vocab_map.to(device)])
+        proj.weight.data.copy_(out_rows)
+    teacher_head = None
+    if recipe.loss == "teacher":  # the target's own output rows over the heads' vocabulary, frozen
+        teacher_head = nn.Linear(target.config.hidden_size, len(vocab_map), bias=False).to(device).requires_grad_(False)
+        teacher_head.weight.data.copy_(out_rows)
     prefix = PrefixLayer.from_target(target).to(device) if recipe.get("prefix_layer", False) else None
     modules = [heads] + ([prefix] if prefix is not None else [])
-    report = {"agreement_before": head_agreement(heads, held_hidden, held, held_idx[..., 0], embed, bs, prefix)}
-    params = [p for m in modules for p in m.parameters() if p.requires_grad]
-    for m in modules:
-        m.train()
-    fit(params, lambda: torch.randperm(len(train)).split(bs),
-        lambda b: heads_loss(heads, hidden[b], train[b], idx[b], prob[b], to_sub, recipe.loss, embed,
-                             float(recipe.decay), prefix),
-        epochs=int(recipe.epochs), steps_per_epoch=math.ceil(len(train) / bs), lr=float(recipe.lr),
+    report = {"agreement_before": head_agreement(heads, held, embed, bs, prefix, device)}
+    params = [p for mod in modules for p in mod.parameters() if p.requires_grad]
+    for mod in modules:
+        mod.train()
+
+    def step(rows: torch.Tensor) -> torch.Tensor:
+        batch = {n: t.to(device) for n, t in train.rows(rows, ("ids", "idx", "mask", "hidden")).items()}
+        return heads_loss(heads, batch, to_sub, recipe.loss, embed, float(recipe.decay), prefix, teacher_head)
+
+    fit(params, lambda: torch.randperm(len(train)).split(bs), step, epochs=int(teacher.recipe.heads_epochs),
+        steps_per_epoch=math.ceil(len(train) / bs), lr=float(recipe.lr),
         desc=f"{kind}: training {K} heads" + (" and the prefix layer" if prefix is not None else ""))
-    for m in modules:
-        m.eval()
+    for mod in modules:
+        mod.eval()
+    held_top1 = held.rows(range(len(held)), ("idx", "mask"))
     report.update(
         # Per head k: P(head k's top-1 == the target's greedy token k + 1 steps after its next one), held out.
-        agreement_after=head_agreement(heads, held_hidden, held, held_idx[..., 0], embed, bs, prefix),
+        agreement_after=head_agreement(heads, held, embed, bs, prefix, device),
         prefix_layer=prefix is not None,
-        train_tokens=train.numel(),
-        heldout_tokens=held.numel(),
+        layers=heads.layers,
+        recipe=teacher.recipe.name,
+        train_tokens=int(m.sum()),
+        heldout_tokens=int(held_top1["mask"].sum()),
         vocab=int(vocab_map.numel()),
-        vocab_coverage=round(float((to_sub[held_idx[..., 0]] >= 0).float().mean()), 4),
+        vocab_coverage=round(float((to_sub.cpu()[held_top1["idx"][..., 0][held_top1["mask"]]] >= 0).float().mean()), 4),
     )
     return heads.cpu(), (prefix.cpu() if prefix is not None else None), report
 
@@ -324,8 +344,9 @@ def train_heads(target, tokenizer, kind: str, recipe: DictConfig) -> tuple[Heads
 # --------------------------------------------------------------------------------------------- caching
 
 
-def heads_artifact(target, tokenizer, kind: str, recipe: DictConfig) -> Artifact:
-    """The heads of (target, kind, recipe) as a cached artifact: ``heads.pt`` (heads and prefix layer).
+def heads_artifact(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teacher) -> Artifact:
+    """The heads of (target, kind, recipe, the run's training recipe) as a cached artifact: ``heads.pt`` (heads
+    and prefix layer).
 
     ``prefix_layer`` is keyed as a bool (absent = false), so a cached file always has the prefix layer its
     recipe asks for; loading checks it anyway, since a mismatch would decode with the wrong heads' input.
@@ -334,8 +355,9 @@ def heads_artifact(target, tokenizer, kind: str, recipe: DictConfig) -> Artifact
     ident = model_fingerprint(target)
 
     def build(folder: Path) -> dict:
-        heads, prefix, report = train_heads(target, tokenizer, kind, recipe)
+        heads, prefix, report = train_heads(target, tokenizer, kind, recipe, teacher)
         torch.save({"kind": kind, "hidden": heads.blocks[0].linear.out_features, "num_heads": heads.num_heads,
+                    "layers": heads.layers,
                     "state": heads.state_dict(), "prefix": prefix.state_dict() if prefix is not None else None},
                    folder / "heads.pt")
         return report
@@ -346,7 +368,7 @@ def heads_artifact(target, tokenizer, kind: str, recipe: DictConfig) -> Artifact
         if has_prefix != keyed["prefix_layer"]:
             # Not a BenchError: a file that does not fit its key is broken, rebuilt when building is allowed.
             raise ValueError(f"it {'has' if has_prefix else 'lacks'} a prefix layer, unlike method.recipe.prefix_layer")
-        heads = Heads(blob["kind"], blob["hidden"], blob["num_heads"], blob["state"]["vocab_map"])
+        heads = Heads(blob["kind"], blob["hidden"], blob["num_heads"], blob["state"]["vocab_map"], blob.get("layers", 1))
         heads.load_state_dict(blob["state"])
         prefix = None
         if has_prefix:
@@ -355,17 +377,20 @@ def heads_artifact(target, tokenizer, kind: str, recipe: DictConfig) -> Artifact
             prefix.eval()
         return heads.eval(), prefix
 
-    return Artifact("heads", f"{kind}-{ident['name']}", {"target": ident, "kind": kind, "recipe": keyed}, build,
-                    load, hint=f"run 'python -m bench train method method={kind}'", description=f"{kind} heads")
+    key = {"target": ident, "kind": kind, "recipe": keyed, "teacher": teacher.recipe.budget("heads")}
+    return Artifact("heads", f"{kind}-{ident['name']}", key, build, load,
+                    hint=f"run 'python -m bench train method method={kind}' with the same recipe=",
+                    description=f"{kind} heads")
 
 
-def load_or_train_heads(target, tokenizer, kind: str, recipe: DictConfig, cache: Path,
+def load_or_train_heads(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teacher,
                         train_if_missing: bool = True) -> tuple[Heads, PrefixLayer | None, dict]:
-    """The cached heads for (target, kind, recipe), trained first when missing and ``train_if_missing``.
+    """The cached heads for (target, kind, recipe, teacher.recipe), trained first when missing and
+    ``train_if_missing``.
 
     Returns the heads, the prefix layer (``None`` unless ``recipe.prefix_layer``), both on the CPU in fp32,
     and their training report.
     """
-    art = heads_artifact(target, tokenizer, kind, recipe)
-    heads, prefix = load_or_build(art, cache, train_if_missing)
-    return heads, prefix, report_of(art, cache)
+    art = heads_artifact(target, tokenizer, kind, recipe, teacher)
+    heads, prefix = load_or_build(art, teacher.cache, train_if_missing)
+    return heads, prefix, report_of(art, teacher.cache)

@@ -1,9 +1,12 @@
 """SPRINTER's learned verifier (Zhong, Teku and Tandon 2025): its model, features, training and cache.
 
-The verifier is trained once per (target, draft, recipe) by :func:`train_verifier` and cached under
-``cache_dir/verifiers/``: the draft and the target read packaged text teacher-forced, the draft's own token
-at each position is the candidate, and the label says whether the target would accept it. Decoding is in
-:mod:`methods.sprinter`.
+The verifier is trained once per (target, draft, recipe, training recipe) by :func:`train_verifier` and cached
+under ``cache_dir/verifiers/``. Examples come from the teacher store (:mod:`decoding.teacher`): at every position
+of its text and of the target's own answers the draft proposes its own token (its argmax, or a draw from q when
+sampling: on-policy for the candidate), and the label says whether the target would accept that token (greedy:
+it is the target's argmax, stored; sampling: q(x) <= p(x), the paper's rule, with p from the target's stored
+hidden state through its output head). Under greedy decoding every accepted prefix is the target's own greedy
+text, which is what the answer rows hold. Decoding is in :mod:`methods.sprinter`.
 """
 
 from __future__ import annotations
@@ -21,10 +24,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bench.artifacts import Artifact, load_or_build, model_fingerprint, report_of
-from bench.schema import Settings
-from decoding.corpus import Corpus, corpus
-from decoding.distill import token_chunks
-from decoding.training import fit
+from bench.errors import BenchError
+from decoding.training import TrainRecipe, fit
 
 log = logging.getLogger(__name__)
 
@@ -32,24 +33,20 @@ Label = Literal["greedy", "sampling"]
 LABELS = get_args(Label)
 
 
-class VerifierRecipe(Settings):
-    """How SPRINTER's verifier is trained; the trained verifier is cached per (target, draft, recipe)."""
+class VerifierRecipe(TrainRecipe):
+    """How SPRINTER's verifier is trained (its data and epochs: the run's recipe); the trained verifier is cached
+    per (target, draft, this recipe, the run's recipe)."""
 
-    corpus: Corpus = Field("lee", description="packaged training text (held-out: that corpus's test split)")
-    max_tokens: int = Field(16384, ge=1, description="teacher-forced training positions (one example each)")
-    eval_tokens: int = Field(4096, ge=1, description="held-out positions for the report")
-    seq_len: int = Field(256, ge=2, description="tokens per training sequence")
-    batch_size: int = Field(4, ge=1, description="sequences per teacher-forced forward")
+    batch_size: int = Field(4, ge=1, description="sequences per draft forward when computing features")
     label: Label = Field("greedy", description="greedy: target argmax == draft token; sampling: q(x) <= p(x) "
                          "with x drawn from q")
     temperature: float = Field(1.0, gt=0, description="for sampling labels only")
     probs: bool = Field(True, description="add the draft's top probability and entropy to its last hidden state")
-    width: int = Field(256, ge=0, description="MLP hidden width (0 = logistic regression)")
-    epochs: int = Field(8, ge=1, description="passes over the training examples")
+    width: int = Field(0, ge=0, description="0: the paper's linear layer + sigmoid; > 0: a one-hidden-layer MLP of "
+                       "this width")
     train_batch: int = Field(512, ge=1, description="examples per optimiser step")
-    lr: float = Field(1.0e-3, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
-    seed: int = Field(0, ge=0, description="seeds initialisation, data order and sampled labels")
+
 
 class Verifier(nn.Module):
     """Scores draft tokens: features ``(..., d_in)`` -> logit ``(...)`` of "the target accepts this token".
@@ -103,30 +100,30 @@ def draft_forward(draft, input_ids: torch.Tensor, cache=None, **kw):
 
 
 @torch.no_grad()
-def verifier_data(draft, target, chunks: torch.Tensor, recipe: DictConfig, device, desc: str, generator):
-    """Teacher-forced features and labels: ``(FloatTensor (N, d_in), BoolTensor (N,))``, N = every position.
+def verifier_data(draft, target, store, recipe: DictConfig, device, desc: str, generator):
+    """Features and labels at every labelled position of ``store``: ``(FloatTensor (N, d_in), BoolTensor (N,))``.
 
-    At each position the candidate is the draft's own next token (its argmax for ``label: greedy``; a
-    draw from q at ``recipe.temperature`` for ``label: sampling``). The label says whether the target would
-    accept it: greedy, the target's argmax equals it; sampling, q(x) <= p(x), the paper's rule (such a
-    token is accepted with certainty by rejection sampling).
+    At each position the candidate is the draft's own next token (its argmax for ``label: greedy``; a draw from
+    q at ``recipe.temperature`` for ``label: sampling``). The label says whether the target would accept it:
+    greedy, the target's stored argmax equals it; sampling, q(x) <= p(x), the paper's rule (such a token is
+    accepted with certainty by rejection sampling), p from the stored hidden state and the target's output head.
     """
     feats, labels = [], []
-    for start in tqdm(range(0, len(chunks), int(recipe.batch_size)), desc=desc, unit="batch"):
-        x = chunks[start : start + int(recipe.batch_size)].to(device)
-        dlogits, hidden = draft_forward(draft, x)
-        tlogits = target(input_ids=x).logits
+    fields = ("ids", "idx", "mask") + (("hidden",) if recipe.label == "sampling" else ())
+    for part in tqdm(torch.arange(len(store)).split(int(recipe.batch_size)), desc=desc, unit="batch"):
+        b = {n: t.to(device) for n, t in store.rows(part, fields).items()}
+        dlogits, hidden = draft_forward(draft, b["ids"])
         if recipe.label == "greedy":
-            label = tlogits.argmax(-1) == dlogits.argmax(-1)
+            label = b["idx"][..., 0] == dlogits.argmax(-1)
         else:
-            sampling_t = float(recipe.temperature)
-            q = torch.softmax(dlogits.float() / sampling_t, -1)
-            p = torch.softmax(tlogits.float() / sampling_t, -1)
+            t = float(recipe.temperature)
+            q = torch.softmax(dlogits.float() / t, -1)
+            p = torch.softmax(target.get_output_embeddings()(b["hidden"].to(target.dtype)).float() / t, -1)
             cand = torch.multinomial(q.flatten(0, 1), 1, generator=generator).view(q.shape[:-1])
-            label = q.gather(-1, cand[..., None]) <= p.gather(-1, cand[..., None])
-            label = label.squeeze(-1)
-        feats.append(features(hidden, dlogits, bool(recipe.probs)).flatten(0, 1).cpu())
-        labels.append(label.flatten().cpu())
+            label = (q.gather(-1, cand[..., None]) <= p.gather(-1, cand[..., None])).squeeze(-1)
+        m = b["mask"]
+        feats.append(features(hidden, dlogits, bool(recipe.probs))[m].cpu())
+        labels.append(label[m].cpu())
     return torch.cat(feats), torch.cat(labels)
 
 
@@ -168,12 +165,14 @@ def classification_report(scores: np.ndarray, labels: np.ndarray, threshold: flo
 
 
 def train_verifier(pair, recipe: DictConfig) -> tuple[Verifier, dict]:
-    """Train the verifier of ``pair``'s first draft on packaged text; returns it and its held-out report."""
+    """Train the verifier of ``pair``'s first draft from the teacher store; returns it and its held-out report."""
     torch.manual_seed(int(recipe.seed))
     gen = torch.Generator(device=pair.device).manual_seed(int(recipe.seed))
-    draft, target = pair.draft.module, pair.target.module
-    train = token_chunks(pair.tokenizer, corpus(recipe.corpus, "train"), int(recipe.seq_len), int(recipe.max_tokens))
-    held = token_chunks(pair.tokenizer, corpus(recipe.corpus, "test"), int(recipe.seq_len), int(recipe.eval_tokens))
+    draft, target, teacher = pair.draft.module, pair.target.module, pair.teacher
+    if recipe.label == "sampling" and not teacher.recipe.store.hidden:
+        raise BenchError("sampling labels need the target's stored hidden states; set recipe.store.hidden=true.")
+    train = teacher.store(target, pair.tokenizer, "train")
+    held = teacher.store(target, pair.tokenizer, "test")
     x, y = verifier_data(draft, target, train, recipe, pair.device, "verifier: labels", gen)
     xh, yh = verifier_data(draft, target, held, recipe, pair.device, "verifier: held-out labels", gen)
 
@@ -188,7 +187,7 @@ def train_verifier(pair, recipe: DictConfig) -> tuple[Verifier, dict]:
     batch = int(recipe.train_batch)
     model.train()
     final_loss = fit(list(model.parameters()), lambda: torch.randperm(len(x)).split(batch),
-                     lambda b: loss_fn(model(x[b]), yf[b]), epochs=int(recipe.epochs),
+                     lambda b: loss_fn(model(x[b]), yf[b]), epochs=int(teacher.recipe.verifier_epochs),
                      steps_per_epoch=math.ceil(len(x) / batch), lr=float(recipe.lr),
                      weight_decay=float(recipe.weight_decay), one_cycle=False, clip=None, desc="verifier: training")
     model.eval()
@@ -196,7 +195,7 @@ def train_verifier(pair, recipe: DictConfig) -> tuple[Verifier, dict]:
         scores = torch.sigmoid(model(xh)).numpy()
     report = classification_report(scores, yh.numpy())
     report.update(train_examples=len(x), heldout_examples=len(xh), train_accept_rate=n_pos / max(len(y), 1),
-                  features=int(x.shape[1]), final_loss=final_loss)
+                  features=int(x.shape[1]), width=int(recipe.width), final_loss=final_loss, recipe=teacher.recipe.name)
     return model, report
 
 
@@ -207,7 +206,7 @@ def verifier_artifact(pair, recipe: DictConfig) -> Artifact:
     a verifier fitted to the old one.
     """
     key = {"target": model_fingerprint(pair.target.module), "draft": model_fingerprint(pair.draft.module),
-           "draft_spec": pair.spec.drafts[0], "recipe": recipe}
+           "draft_spec": pair.spec.drafts[0], "recipe": recipe, "teacher": pair.teacher.recipe.budget("verifier")}
 
     def build(folder: Path) -> dict:
         model, report = train_verifier(pair, recipe)
@@ -221,7 +220,7 @@ def verifier_artifact(pair, recipe: DictConfig) -> Artifact:
         return model.eval()
 
     return Artifact("verifiers", pair.name, key, build, load, description="SPRINTER verifier",
-                    hint=f"run 'python -m bench train method pair={pair.name} method=sprinter'")
+                    hint=f"run 'python -m bench train method pair={pair.name} method=sprinter' with the same recipe=")
 
 
 def verifier_dir(pair, recipe: DictConfig) -> Path:

@@ -56,7 +56,7 @@ def load_or_build_model_db(pair, settings, build_if_missing: bool) -> list[list[
     under ``cache/ngram/`` keyed by the target's weights and ``settings``; generated once when missing."""
     from bench.artifacts import Artifact, load_or_build, model_fingerprint
     from decoding.corpus import instruction_prompts
-    from decoding.distill import target_answers
+    from decoding.teacher import target_answers
 
     target = pair.target.module
 

@@ -3,8 +3,8 @@ reads the input embeddings of the tokens already chosen along the candidate path
 depth by depth, each head run once per parent node; verified in one target forward like Medusa
 (:mod:`methods._tree_heads`).
 
-Hydra++ (``method=hydra_pp``): the same heads trained with the teacher-distillation loss (the target's
-top-k distribution instead of its greedy token) and reading the output of the prefix attention layer
+Hydra++ (``method=hydra_pp``): deeper heads (four residual MLP blocks each), trained with the teacher-distillation
+loss (the target's whole distribution instead of its greedy token) and reading the output of the prefix attention layer
 (``recipe.prefix_layer``: one more decoder layer over the target's hidden states of the whole sequence,
 trained jointly with the heads; :class:`methods._heads.PrefixLayer`, fed by
 :meth:`methods._tree_heads.TreeHeadsMethod.heads_input`).
@@ -61,6 +61,6 @@ class HydraPP(Hydra):
     shared loop runs when the recipe has one."""
 
     class Config(TreeHeadsSettings):
-        recipe: HeadsRecipe = Field(default_factory=lambda: HeadsRecipe(loss="teacher", prefix_layer=True),
-                                    description="how the heads are trained (Hydra++: the teacher loss and the "
-                                    "prefix layer)")
+        recipe: HeadsRecipe = Field(default_factory=lambda: HeadsRecipe(loss="teacher", prefix_layer=True, layers=4),
+                                    description="how the heads are trained (Hydra++: four blocks per head, the "
+                                    "teacher loss and the prefix layer)")

@@ -13,9 +13,10 @@ LOSSY: tokens the verifier lets through are never checked, so greedy output may 
 exceeds 1) and the method is exactly SD with gamma = 1 (a test checks it); with ``threshold: 0`` nothing is
 flagged (short of a score of exactly 0) and the target checks only every ``max_run``-th token.
 
-The verifier is trained once per (target, draft, recipe) by :func:`train_verifier` and cached under
-``cache_dir/verifiers/``: the draft and the target read packaged text teacher-forced, the draft's own
-token at each position is the candidate, and the label says whether the target would accept it.
+The verifier (the paper's linear layer + sigmoid by default, an MLP with ``verifier.width > 0``) is trained once
+per (target, draft, recipe, training recipe) from the teacher store and cached under ``cache_dir/verifiers/``
+(:mod:`methods._sprinter_verifier`): the draft's own token at each stored position is the candidate, and the
+label says whether the target would accept it.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class Sprinter(DraftVerify):
         threshold: float = Field(0.5, ge=0, le=1, description="keep drafting while the verifier's score > "
                                  "threshold; higher = more target checks (0: never flag, the target checks "
                                  "every max_run-th token; 1: every token, = SD with gamma 1)")
-        max_run: int = Field(8, ge=1, description="most tokens drafted per target call")
+        max_run: int = Field(20, ge=1, description="most tokens drafted per target call (the paper: 20)")
         verifier: VerifierRecipe = Field(default_factory=VerifierRecipe, description="the verifier's training recipe")
 
     def setup(self, train_if_missing: bool = True) -> None:
@@ -91,6 +92,9 @@ class Sprinter(DraftVerify):
                 return tokens, q, "flagged"
             x = tok.view(1, 1)
         return tokens, q, "budget"  # limit == 0: nothing drafted
+
+    def trained(self) -> bool:
+        return True  # the verifier
 
     def start(self, st: Decoding) -> None:
         self.dcache = DynamicCache()

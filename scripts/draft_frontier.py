@@ -41,7 +41,8 @@ from bench.models import load_pair  # noqa: E402
 from bench.results import provenance, write_json_atomic  # noqa: E402
 from bench.runner import forward_seconds  # noqa: E402
 from decoding.corpus import corpus, instruction_prompts  # noqa: E402
-from decoding.distill import draft_from_target, target_answers, token_chunks  # noqa: E402
+from decoding.distill import draft_from_target  # noqa: E402
+from decoding.teacher import target_answers, token_chunks  # noqa: E402
 
 
 @torch.no_grad()

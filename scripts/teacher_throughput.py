@@ -8,7 +8,7 @@ SmolLM2-135M-Instruct, fp32, unpacked as the trainers read it):
 - ``answers``: the target's greedy answers to ``--prompts`` packaged instructions (``decoding.distill.
   target_answers``, what the store's answer shards run) one prompt at a time and ``--batch`` at a time: new
   tokens per second, and the ratio.
-- ``teacher_forced``: ``decoding.distill.teacher_pass`` over ``--seqs`` rows of ``store.seq_len`` packaged
+- ``teacher_forced``: ``decoding.teacher.teacher_pass`` over ``--seqs`` rows of ``store.seq_len`` packaged
   tokens with the last hidden states kept (what the store's text shards run): tokens per second.
 
 Prints one JSON object (with the settings and the machine's thread count).
@@ -31,7 +31,7 @@ from bench.models import load_pair  # noqa: E402
 from bench.runner import clocked  # noqa: E402
 from bench.validate import validate  # noqa: E402
 from decoding.corpus import corpus, instruction_prompts  # noqa: E402
-from decoding.distill import target_answers, teacher_pass, token_chunks  # noqa: E402
+from decoding.teacher import target_answers, teacher_pass, token_chunks  # noqa: E402
 
 
 def answer_rate(pair, prompts: list[str], batch: int, new_tokens: int) -> dict:
@@ -51,12 +51,12 @@ def main(argv: list[str]) -> dict:
     args, overrides = p.parse_known_args(argv)
     cfg = validate(compose([*overrides, "packed_linear=false"]))
     pair = load_pair(cfg, train_if_missing=False, n_drafts=0)
-    prompts = instruction_prompts(args.prompts, int(cfg.store.seed))
+    prompts = instruction_prompts(args.prompts, int(cfg.recipe.store.seed))
     one, many = (answer_rate(pair, prompts, b, args.new_tokens) for b in (1, args.batch))
-    seq_len = int(cfg.store.seq_len)
-    chunks = token_chunks(pair.tokenizer, corpus(cfg.store.corpus, "train"), seq_len, args.seqs * seq_len).to(pair.device)
-    _, seconds = clocked(pair.device, teacher_pass, pair.target.module, chunks, int(cfg.store.topk),
-                         int(cfg.store.batch_size), "teacher-forced", True)
+    seq_len = int(cfg.recipe.store.seq_len)
+    chunks = token_chunks(pair.tokenizer, corpus(cfg.recipe.store.corpus, "train"), seq_len, args.seqs * seq_len).to(pair.device)
+    _, seconds = clocked(pair.device, teacher_pass, pair.target.module, chunks, int(cfg.recipe.store.topk),
+                         int(cfg.recipe.store.batch_size), "teacher-forced", True)
     result = {
         "pair": cfg.pair.name, "threads": torch.get_num_threads(), "device": str(pair.device),
         "answers": {"one_at_a_time": one, "batched": many,

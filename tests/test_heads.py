@@ -13,8 +13,15 @@ from decoding.sampling import Sampling
 from tests.helpers import decode, prompts_for
 from tests.helpers import method_cfg as shipped_cfg
 
-TINY_RECIPE = {"vocab": 200, "max_tokens": 2048, "eval_tokens": 512, "seq_len": 64, "batch_size": 8, "epochs": 1}
+TINY_RECIPE = {"vocab": 200, "batch_size": 8}  # and the tiny pair's smoke recipe: 4096 teacher tokens
 HEAD_METHODS = ["medusa", "hydra", "hydra_pp"]
+
+
+def smoke(cache):
+    """The smoke recipe's teacher, its stores and trained parts under ``cache``."""
+    from decoding.teacher import RECIPES, Teacher
+
+    return Teacher(RECIPES["smoke"], cache)
 
 
 def method_cfg(name, **over):
@@ -179,15 +186,15 @@ def test_corrupt_heads_cache_is_retrained_or_one_sentence(tmp_path, tiny_pair):
     recipe = OmegaConf.create(method_cfg("medusa")["recipe"])
     target, tok = tiny_pair.target.module, tiny_pair.tokenizer
     with pytest.raises(BenchError, match=r"no cached medusa heads at .*; run 'python -m bench train method method=medusa'"):
-        load_or_train_heads(target, tok, "medusa", recipe, tmp_path, train_if_missing=False)
-    heads, _, report = load_or_train_heads(target, tok, "medusa", recipe, tmp_path)
+        load_or_train_heads(target, tok, "medusa", recipe, smoke(tmp_path), train_if_missing=False)
+    heads, _, report = load_or_train_heads(target, tok, "medusa", recipe, smoke(tmp_path))
     assert len(report["agreement_after"]) == heads.num_heads  # the training report comes with the cached heads
-    path = heads_artifact(target, tok, "medusa", recipe).folder(tmp_path) / "heads.pt"
+    path = heads_artifact(target, tok, "medusa", recipe, smoke(tmp_path)).folder(tmp_path) / "heads.pt"
     size = path.stat().st_size
     path.write_bytes(b"not a checkpoint")
     with pytest.raises(BenchError, match=r"medusa heads at .* cannot be used \(heads.pt has 16 bytes.*python -m bench"):
-        load_or_train_heads(target, tok, "medusa", recipe, tmp_path, train_if_missing=False)
-    again, _, _ = load_or_train_heads(target, tok, "medusa", recipe, tmp_path)  # building allowed: retrained
+        load_or_train_heads(target, tok, "medusa", recipe, smoke(tmp_path), train_if_missing=False)
+    again, _, _ = load_or_train_heads(target, tok, "medusa", recipe, smoke(tmp_path))  # building allowed: retrained
     assert path.stat().st_size == size and again.num_heads == heads.num_heads
 
 
@@ -211,25 +218,25 @@ def test_heads_cache_without_the_recipes_prefix_layer_is_retrained_or_one_senten
 
     target, tok = tiny_pair.target.module, tiny_pair.tokenizer
     recipe = OmegaConf.create(method_cfg("hydra_pp")["recipe"])
-    folder = heads_artifact(target, tok, "hydra", recipe).folder(tmp_path)
+    folder = heads_artifact(target, tok, "hydra", recipe, smoke(tmp_path)).folder(tmp_path)
     heads = Heads("hydra", 64, 4, torch.arange(200))
     blob = {"kind": "hydra", "hidden": 64, "num_heads": 4, "state": heads.state_dict(), "prefix": None}
     write_foreign_heads(folder, blob)
     with pytest.raises(BenchError, match=r"hydra heads at .* cannot be loaded \(ValueError: it lacks a prefix layer, "
                                          r"unlike method.recipe.prefix_layer\); run 'python -m bench train method"):
-        load_or_train_heads(target, tok, "hydra", recipe, tmp_path, train_if_missing=False)
+        load_or_train_heads(target, tok, "hydra", recipe, smoke(tmp_path), train_if_missing=False)
     state = PrefixLayer.from_target(target).state_dict()
     state["gamma"] = torch.zeros(65)  # saved for another target
     write_foreign_heads(folder, {**blob, "prefix": state})
     with pytest.raises(BenchError, match=r"cannot be loaded \(RuntimeError"):
-        load_or_train_heads(target, tok, "hydra", recipe, tmp_path, train_if_missing=False)
-    _, prefix, _ = load_or_train_heads(target, tok, "hydra", recipe, tmp_path)  # building allowed: retrained
+        load_or_train_heads(target, tok, "hydra", recipe, smoke(tmp_path), train_if_missing=False)
+    _, prefix, _ = load_or_train_heads(target, tok, "hydra", recipe, smoke(tmp_path))  # building allowed: retrained
     assert prefix is not None
     no_prefix = OmegaConf.merge(recipe, {"prefix_layer": False})
-    write_foreign_heads(heads_artifact(target, tok, "hydra", no_prefix).folder(tmp_path),
+    write_foreign_heads(heads_artifact(target, tok, "hydra", no_prefix, smoke(tmp_path)).folder(tmp_path),
                         {**blob, "prefix": PrefixLayer.from_target(target).state_dict()})
     with pytest.raises(BenchError, match="it has a prefix layer"):  # a prefix layer where the recipe has none
-        load_or_train_heads(target, tok, "hydra", no_prefix, tmp_path, train_if_missing=False)
+        load_or_train_heads(target, tok, "hydra", no_prefix, smoke(tmp_path), train_if_missing=False)
 
 
 def test_typical_acceptance_breaks_ties_by_likelihood():

@@ -43,8 +43,7 @@ def test_reduced_vocab_draft_scatters_to_full_vocab(tiny_pair):
 
 @pytest.fixture(scope="module")
 def distilled_cfg(compose_cfg):
-    recipe = {"layers": [0], "vocab": 64, "corpus": "lee", "max_tokens": 2048, "eval_tokens": 512, "seq_len": 64,
-              "batch_size": 8, "epochs": 1, "lr": 1e-3, "topk": 8, "seed": 0}
+    recipe = {"layers": [0], "vocab": 64, "batch_size": 8, "lr": 1e-3, "seed": 0}  # and the smoke recipe
     cfg = compose_cfg("pair=tiny")
     cfg.pair.drafts = [OmegaConf.create({"source": "distilled", "recipe": recipe})]
     return cfg
@@ -63,8 +62,8 @@ def test_corrupt_draft_cache_is_rebuilt_or_one_clear_error(distilled_cfg):
 
     pair = load_pair(distilled_cfg)
     recipe = pair.spec.drafts[0].recipe  # as load_pair checked it, defaults filled in
-    folder = draft_artifact(pair.target.module, None, recipe).folder(pair.cache)
-    assert draft_report(pair.target.module, recipe, pair.cache)["vocab"] == 64  # the training report, kept
+    folder = draft_artifact(pair.target.module, None, recipe, pair.teacher).folder(pair.cache)
+    assert draft_report(pair.target.module, recipe, pair.teacher)["vocab"] == 64  # the training report, kept
     blob = (folder / "draft.pt").read_bytes()
     (folder / "draft.pt").write_bytes(blob[: len(blob) // 3])
     with pytest.raises(BenchError, match=r"distilled draft at .* cannot be used \(draft.pt has .*truncated.*"

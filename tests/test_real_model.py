@@ -34,6 +34,6 @@ def test_tree_heads_equal_ar_greedy_on_default_pair(real_pair, name):
     from tests.test_heads import method_cfg
 
     pair = dataclasses.replace(real_pair, roles={})
-    cfg = method_cfg(name, recipe={"vocab": 2048, "max_tokens": 2048, "eval_tokens": 512})
+    cfg = method_cfg(name, recipe={"vocab": 2048})  # the pair's smoke recipe: 4096 teacher tokens
     for ids in prompts_for(pair, 2):
         assert decode(pair, name, ids, max_new=32, **cfg).output_ids == decode(pair, "ar", ids, max_new=32).output_ids

@@ -63,7 +63,7 @@ def cases():
             for why, value in bad_values(field).items():
                 yield pytest.param([f"method={name}"], key, value, id=f"{name}:{key}:{why}")
     nodes = checked(compose(TINY))
-    for group in ("", "pair", "dataset"):  # the top level includes store.*
+    for group in ("", "pair", "dataset", "recipe"):
         for key, field, _ in leaves(nodes[group], f"{group}." if group else ""):
             if key.startswith("pair.target.config") or key.endswith(".config"):
                 continue  # a mapping of LlamaConfig arguments: tested below
@@ -111,7 +111,7 @@ def test_cross_key_rules_are_named_validators(override, needle, capsys):
     (["method=sd", "pair.drafts=[]"], "method=sd runs a draft model but pair=tiny has none."),
     (["method=sd", "method.adaptive=true", "method.gamma_min=5", "method.gamma_max=2"], "gamma_min (5) must not exceed"),
     (["method.unknown=1"], "unknown key method.unknown; method=sd has: name, gamma, confidence,"),
-    (["+method.recipe.depth=1", "method=hydra"], "unknown key method.recipe.depth; method.recipe has: num_heads,"),
+    (["+method.recipe.depth=1", "method=hydra"], "unknown key method.recipe.depth; method.recipe has: batch_size, lr, seed, num_heads,"),
     (["pair.target.config.hidden_sizes=3"], "config has keys LlamaConfig does not know: hidden_sizes"),
     (["pair.target.source=hf"], "pair.target.source='hf' is not allowed; it takes one of: hub, gguf_package, random."),
     (["dataset.template='Q: {question}'"], "template 'Q: {question}' cannot be filled"),

@@ -47,7 +47,7 @@ def test_draft_frontier_reports_every_depth(tmp_path, cache_dir):
 
 def test_teacher_throughput_reports_both_rates(cache_dir):
     res = script("teacher_throughput.py", "--prompts", "4", "--batch", "4", "--new-tokens", "4", "--seqs", "2",
-                 "pair=tiny", "store.seq_len=32", cache_dir=cache_dir)
+                 "pair=tiny", "recipe.store.seq_len=32", cache_dir=cache_dir)
     out = json.loads(res.stdout[res.stdout.index("{"):])
     answers = out["answers"]
     assert answers["one_at_a_time"]["batch"] == 1 and answers["batched"]["batch"] == 4

@@ -12,10 +12,9 @@ import torch
 from bench.errors import BenchError
 from tests.helpers import decode, prompts_for
 
-# A recipe small enough for seconds on 2 cores (tiny random models, 4k training positions).
-TINY_RECIPE = dict(corpus="lee", max_tokens=4096, eval_tokens=2048, seq_len=64, batch_size=8, label="greedy",
-                   temperature=1.0, probs=True, width=32, epochs=2, train_batch=256, lr=1e-3, weight_decay=0.01,
-                   seed=0)
+# A verifier small enough for seconds on 2 cores (tiny random models; the smoke recipe: 4k training positions).
+TINY_RECIPE = dict(batch_size=8, label="greedy", temperature=1.0, probs=True, width=32, train_batch=256, lr=1e-3,
+                   weight_decay=0.01, seed=0)
 REPORT_KEYS = {"accuracy", "precision", "recall", "reject_recall", "roc_auc", "accept_rate", "train_examples",
                "heldout_examples", "threshold"}
 
@@ -36,7 +35,7 @@ def test_training_reports_and_caches(tiny_pair):
     m = sprinter(tiny_pair)
     m.setup()
     assert REPORT_KEYS <= m.report.keys()
-    assert m.report["train_examples"] == 4096 and m.report["heldout_examples"] == 2048
+    assert m.report["train_examples"] == 4096 and m.report["heldout_examples"] == 1024
     assert 0 <= m.report["accuracy"] <= 1
     folder = verifier_dir(tiny_pair, m.cfg.verifier)
     assert (folder / "verifier.pt").is_file() and (folder / "manifest.json").is_file()
@@ -94,7 +93,7 @@ def test_missing_and_corrupt_cache_are_one_sentence_or_retrained(tiny_pair, tmp_
     (dict(threshold="high"), "method.threshold='high' is not allowed"),
     (dict(label="beam"), "method.verifier.label='beam' is not allowed; it takes one of: greedy, sampling"),
     (dict(label="sampling", temperature=0), "method.verifier.temperature=0 is not allowed; it takes a number > 0"),
-    (dict(epochs=0), "method.verifier.epochs=0 is not allowed; it takes an integer >= 1"),
+    (dict(train_batch=0), "method.verifier.train_batch=0 is not allowed; it takes an integer >= 1"),
 ])
 def test_bad_settings(cfg, needle):
     from omegaconf import OmegaConf

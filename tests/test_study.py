@@ -213,7 +213,7 @@ def test_killed_run_loses_nothing_finished_and_resumes(tmp_path, cache_dir, comp
     from bench.runner import run
 
     out = tmp_path / "run"
-    args = ["method=sd", "pair=tiny", "max_new_tokens=32", "dataset.n_prompts=12", "warmup=0", f"resume={out}"]
+    args = ["method=sd", "pair=tiny", "recipe=smoke", "max_new_tokens=32", "dataset.n_prompts=12", "warmup=0", f"resume={out}"]
     proc = bench("run", *args, cache_dir=cache_dir, popen=True)
     partial = out / "records.partial.jsonl"
     deadline = time.time() + 240

@@ -16,8 +16,10 @@ SMALL = dict(seq_len=32, shard_sequences=4, answers=1 / 3, answer_tokens=8, answ
 PER_SHARD = 4 * 32
 
 
-def settings(shards: int, **over) -> StoreSettings:
-    return StoreSettings(tokens=shards * PER_SHARD, **{**SMALL, **over})
+def grow(pair, shards: int, cache, split="train", build=True, **over):
+    """The tiny pair's store of ``shards`` shards of SMALL (``over`` on top) under ``cache``."""
+    settings = StoreSettings(**{**SMALL, **over})
+    return load_or_grow_store(pair.target.module, pair.tokenizer, settings, cache, shards * PER_SHARD, split, build)
 
 
 @pytest.fixture
@@ -38,7 +40,7 @@ def counted_labels(monkeypatch):
 
 def test_shards_hold_the_targets_own_outputs(tiny_pair, tmp_path):
     target, tok = tiny_pair.target.module, tiny_pair.tokenizer
-    store = load_or_grow_store(target, tok, settings(3), tmp_path)
+    store = grow(tiny_pair, 3, tmp_path)
     assert [k for k, _ in shard_kinds(store.settings, 3)] == ["text", "text", "answers"]
     assert len(store) == 12 and store.tokens <= 3 * PER_SHARD
     assert isinstance(store.shards[0]["hidden"], np.memmap)  # read from disk on demand
@@ -53,10 +55,10 @@ def test_shards_hold_the_targets_own_outputs(tiny_pair, tmp_path):
     assert (rows["prob"][..., :-1] >= rows["prob"][..., 1:]).all()  # top-k in order
     assert torch.allclose(rows["hidden"][m], out.hidden_states[-1][m], atol=2e-2, rtol=1e-2)
     # Text shards are the corpus stream in order; answer rows end in the target's greedy continuation.
-    stream = teacher._Sources(tok, store.settings).stream
+    stream = teacher._Sources(tok, store.settings, "train").stream
     assert rows["ids"][:8].flatten().tolist() == stream[: 8 * 32]
     assert rows["mask"][:8].all()  # text has no padding
-    src = teacher._Sources(tok, store.settings)
+    src = teacher._Sources(tok, store.settings, "train")
     answers = teacher.target_answers(target, tok, src.prompts[:4], 4, 8, "answers")
     for ids, mask, (prompt, answer, _, _) in zip(rows["ids"][8:], rows["mask"][8:], answers):
         n = int(mask.sum())
@@ -66,9 +68,9 @@ def test_shards_hold_the_targets_own_outputs(tiny_pair, tmp_path):
 
 def test_growing_keeps_what_was_labelled(tiny_pair, tmp_path, counted_labels):
     target, tok = tiny_pair.target.module, tiny_pair.tokenizer
-    small = load_or_grow_store(target, tok, settings(2), tmp_path)
+    small = grow(tiny_pair, 2, tmp_path)
     assert counted_labels["n"] == 2
-    big = load_or_grow_store(target, tok, settings(4), tmp_path)
+    big = grow(tiny_pair, 4, tmp_path)
     assert counted_labels["n"] == 4  # only shards 2 and 3 were labelled
     assert len(big) == 2 * len(small) and big.folder == small.folder
     assert np.array_equal(big.shards[1]["prob"], small.shards[1]["prob"])
@@ -79,11 +81,11 @@ def test_a_killed_build_resumes_at_the_first_missing_shard(tiny_pair, tmp_path, 
     target, tok = tiny_pair.target.module, tiny_pair.tokenizer
     counted_labels["fail_at"] = 2
     with pytest.raises(KeyboardInterrupt):
-        load_or_grow_store(target, tok, settings(3, answers=0), tmp_path)
+        grow(tiny_pair, 3, tmp_path, answers=0)
     folder = next((tmp_path / "teacher").iterdir())
     assert sorted(p.name.split("-")[1] for p in folder.iterdir() if not p.name.startswith(".")) == ["00000"]
     counted_labels["fail_at"] = None
-    store = load_or_grow_store(target, tok, settings(3, answers=0), tmp_path)
+    store = grow(tiny_pair, 3, tmp_path, answers=0)
     assert counted_labels["n"] == 2 + 2 and len(store) == 12  # shard 0 kept; 1 (killed) and 2 built
     assert not [p for p in folder.iterdir() if ".tmp-" in p.name]  # nothing half-written left behind
 
@@ -91,19 +93,21 @@ def test_a_killed_build_resumes_at_the_first_missing_shard(tiny_pair, tmp_path, 
 def test_missing_store_and_exhausted_corpus_are_one_sentence(tiny_pair, tmp_path):
     target, tok = tiny_pair.target.module, tiny_pair.tokenizer
     with pytest.raises(BenchError, match="no cached teacher store shard 0 .*python -m bench train store"):
-        load_or_grow_store(target, tok, settings(1), tmp_path, build_if_missing=False)
-    with pytest.raises(BenchError, match=r"store.corpus 'lee' \(test\) holds .* tokens, enough for"):
-        load_or_grow_store(target, tok, StoreSettings(tokens=10**7, answers=0, corpus="lee", split="test"), tmp_path)
+        grow(tiny_pair, 1, tmp_path, build=False)
+    with pytest.raises(BenchError, match=r"recipe.store.corpus 'lee' \(test split\) holds .* tokens, enough for"):
+        load_or_grow_store(target, tok, StoreSettings(answers=0, corpus="lee"), tmp_path, 10**7, "test")
 
 
 def test_train_store_from_the_command_line(tmp_path, capsys):
     from bench.__main__ import main
 
-    args = ["train", "store", "pair=tiny", f"cache_dir={tmp_path}", f"tokens={2 * PER_SHARD}",
-            *(f"store.{k}={v}" for k, v in {**SMALL, "answers": 0}.items())]
+    args = ["train", "store", "pair=tiny", f"cache_dir={tmp_path}", f"tokens={2 * PER_SHARD}", f"eval_tokens={PER_SHARD}",
+            *(f"recipe.store.{k}={v}" for k, v in {**SMALL, "answers": 0}.items())]
     assert main(args) == 0
     out = capsys.readouterr().out
-    report = json.loads(out[out.index("{"):])
+    reports = json.loads(out[out.index("{"):])
+    assert reports["test"]["sequences"] == 4 and "store-test-" in reports["test"]["folder"]
+    report = reports["train"]
     assert report["shards"] == 2 and report["sequences"] == 8 and report["text"]["tokens"] == 2 * PER_SHARD
     assert report["answers"]["shards"] == 0 and report["text"]["tokens_per_s"] > 0
 
@@ -112,4 +116,70 @@ def test_store_settings_are_checked_before_any_model_loads(capsys):
     from bench.__main__ import main
 
     assert main(["train", "store", "pair=tiny", "tokens=0"]) == 2
-    assert "store.tokens=0 is not allowed; it takes an integer >= 1" in capsys.readouterr().err
+    assert "recipe.tokens=0 is not allowed; it takes an integer >= 1" in capsys.readouterr().err
+
+
+def test_a_trainer_reads_only_its_recipes_share_of_a_grown_store(tiny_pair, tmp_path):
+    grow(tiny_pair, 4, tmp_path)
+    store = grow(tiny_pair, 2, tmp_path, build=False)  # what a recipe of 2 shards' tokens reads
+    assert len(store) == 8 and len(store.shards) == 2
+    assert store.rows([7])["ids"].shape == (1, 32)
+    with pytest.raises(IndexError):
+        store.rows([8])
+
+
+def test_too_little_disk_is_said_before_any_labelling(tiny_pair, tmp_path, counted_labels, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(BenchError, match=r"the teacher store needs .* GiB more for 2 shards but .* has 0.00 GiB free"):
+        grow(tiny_pair, 2, tmp_path)
+    assert counted_labels["n"] == 0
+
+
+def test_every_trainer_reads_the_store_and_labels_nothing_itself(compose_cfg, tmp_path, monkeypatch):
+    """Once ``train store`` has run, the distilled draft, Medusa/Hydra heads and the SPRINTER verifier all train
+    from it: labelling (the target's teacher-forced pass or its answers) would fail the test."""
+    from omegaconf import OmegaConf
+
+    from bench.models import load_pair
+    from bench.registry import get_method
+
+    cfg = compose_cfg("pair=tiny", f"cache_dir={tmp_path}")
+    cfg.pair.drafts = [OmegaConf.create({"source": "distilled", "recipe": {"layers": [0], "vocab": 64}})]
+    bare = load_pair(cfg, n_drafts=0)
+    for split in ("train", "test"):
+        bare.teacher.store(bare.target.module, bare.tokenizer, split)
+
+    def no_labelling(*args, **kwargs):
+        raise AssertionError("a trainer labelled text itself instead of reading the store")
+
+    monkeypatch.setattr(teacher, "teacher_pass", no_labelling)
+    monkeypatch.setattr(teacher, "target_answers", no_labelling)
+    pair = load_pair(cfg)  # distils the draft from the store
+    reports = {"draft": pair.draft.module is not None}
+    for name in ("medusa", "hydra", "hydra_pp", "sprinter"):
+        method = get_method(name)(get_method(name).settings({"recipe": {"vocab": 64}} if name != "sprinter" else {}), pair)
+        method.setup()
+        reports[name] = method.report["recipe"]
+    assert reports == {"draft": True, "medusa": "smoke", "hydra": "smoke", "hydra_pp": "smoke", "sprinter": "smoke"}
+
+
+def test_a_truncated_shard_is_rebuilt_and_a_foreign_one_refused(tiny_pair, tmp_path, counted_labels):
+    store = grow(tiny_pair, 2, tmp_path, answers=0)
+    shard = sorted(p for p in store.folder.iterdir() if p.is_dir())[1]
+    hidden = shard / "hidden.npy"
+    hidden.write_bytes(hidden.read_bytes()[:1000])  # a copy cut short, a disk that filled up
+    with pytest.raises(BenchError, match=r"teacher store shard 1 at .* cannot be used \(hidden.npy has 1000 bytes"):
+        grow(tiny_pair, 2, tmp_path, build=False, answers=0)
+    assert len(grow(tiny_pair, 2, tmp_path, answers=0)) == 8 and counted_labels["n"] == 3  # shard 1 labelled again
+    # A shard whose manifest says it was labelled by other weights (files copied in by hand): refused, kept.
+    manifest = json.loads((shard / "manifest.json").read_text())
+    manifest["key"]["target"]["weights"] = "0" * 16
+    (shard / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BenchError, match=r"shard 1 at .* was built for something else \(its target.weights differs\); "
+                                         r"delete that folder"):
+        grow(tiny_pair, 2, tmp_path, answers=0)
+    assert counted_labels["n"] == 3

@@ -1,0 +1,122 @@
+"""What a training recipe buys on a pair: the trained parts' held-out figures and, from a sweep, their decoding.
+
+  python -m bench train all recipe=full                       # train everything first (this script never trains)
+  python -m bench run -m method=sd,medusa,hydra,hydra_pp,sprinter recipe=full
+  python scripts/recipe_report.py recipe=full [--sweep results/sweeps/<date>/<time>] [--out DIR] [overrides]
+
+Reads the cached training reports of every trained part under the recipe (``train_if_missing`` is off: a part
+that is not trained is one sentence saying how to train it) and prints them against issue 12's targets:
+
+- the distilled draft: greedy agreement with the target on held-out text and on the target's own held-out answers
+  (the positions greedy SD drafts for); with ``--sweep``, its acceptance α while decoding (the target: >= 0.35);
+- Medusa / Hydra / Hydra++ heads: held-out top-1 agreement per head (targets: Medusa head 0 >= 0.35, Hydra >=
+  Medusa at every head);
+- the SPRINTER verifier: held-out ROC-AUC, precision and recall on on-policy labels;
+- with ``--sweep DIR``: the sweep's summary (speedup against ar, mean accepted tokens per target call, α) per method.
+
+Each target is printed as met or not met, with the figure: a report, not an assertion. Writes
+<--out, default results/recipe_report>/<time>.json with provenance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from tabulate import tabulate
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import summary  # noqa: E402
+from bench.cli import compose  # noqa: E402
+from bench.errors import BenchError  # noqa: E402
+from bench.models import load_pair, resolve_device  # noqa: E402
+from bench.registry import get_method  # noqa: E402
+from bench.results import provenance, write_json_atomic  # noqa: E402
+from bench.validate import validate  # noqa: E402
+from decoding.distill import draft_report  # noqa: E402
+
+HEADS = ("medusa", "hydra", "hydra_pp")
+
+
+def trained_reports(cfg) -> dict:
+    """The training report of the pair's first distilled draft, of each heads method and of the verifier."""
+    pair = load_pair(cfg, train_if_missing=False, n_drafts=1)
+    specs = [s for s in cfg.pair.get("drafts") or [] if s.source == "distilled"]
+    out = {"draft": draft_report(pair.target.module, specs[0].recipe, pair.teacher) if specs else {}}
+    for name in (*HEADS, "sprinter"):
+        method = get_method(name)(get_method(name).settings({}), pair)
+        method.setup(train_if_missing=False)
+        out[name] = method.report
+    return out
+
+
+def targets(reports: dict, decoding: dict) -> list[dict]:
+    """Issue 12's targets, each with its measured figure and whether it is met."""
+    medusa, hydra = reports["medusa"].get("agreement_after", []), reports["hydra"].get("agreement_after", [])
+    alpha = decoding.get("sd", {}).get("alpha")
+    rows = [
+        {"target": "draft alpha while decoding >= 0.35", "measured": alpha,
+         "met": None if alpha is None else alpha >= 0.35},
+        {"target": "draft held-out agreement on target answers (context)", "measured":
+         reports["draft"].get("answer_agreement"), "met": None},
+        {"target": "Medusa head-0 agreement >= 0.35", "measured": medusa[0] if medusa else None,
+         "met": bool(medusa) and medusa[0] >= 0.35},
+        {"target": "Hydra >= Medusa at every head", "measured": f"{hydra} vs {medusa}",
+         "met": bool(hydra) and all(h >= m for h, m in zip(hydra, medusa))},
+    ]
+    v = reports["sprinter"]
+    rows.append({"target": "SPRINTER verifier ROC-AUC / precision / recall (reported)",
+                 "measured": f"{v.get('roc_auc', float('nan')):.3f} / {v.get('precision', float('nan')):.3f} / "
+                             f"{v.get('recall', float('nan')):.3f}", "met": None})
+    return rows
+
+
+def sweep_summary(sweep: Path) -> dict:
+    """Per method of a sweep: paired speedup against ar, mean accepted tokens per call and α (bench.summary)."""
+    table = summary.run_summary(sweep)
+    keep = ["label", "speedup_median", "speedup_lo", "speedup_hi", "mean_accepted", "alpha", "matches_baseline"]
+    return {row["method"]: {k: row.get(k) for k in keep} for row in summary.as_rows(table) if row["method"] != "ar"}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sweep", type=Path, help="a sweep (or run) directory of the trained methods under this recipe")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "recipe_report")
+    args, overrides = ap.parse_known_args(argv)
+    try:
+        cfg = validate(compose(overrides))
+        reports = trained_reports(cfg)
+        decoding = sweep_summary(args.sweep) if args.sweep else {}
+    except BenchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"\nrecipe={cfg.recipe.name} (tokens {cfg.recipe.tokens:,}), pair={cfg.pair.name}\n")
+    d = reports["draft"]
+    print(f"draft: held-out agreement {d.get('agreement_before')} -> {d.get('agreement_after')}, on target answers "
+          f"{d.get('answer_agreement')}, vocab coverage {d.get('vocab_coverage')}, {d.get('train_tokens')} tokens")
+    heads = [[n, reports[n].get("layers"), reports[n].get("prefix_layer"), *reports[n].get("agreement_after", [])]
+             for n in HEADS]
+    print("\n" + tabulate(heads, headers=["heads", "layers", "prefix", "head 0", "head 1", "head 2", "head 3"],
+                          floatfmt=".3f"))
+    v = reports["sprinter"]
+    print(f"\nSPRINTER verifier (width {v.get('width')}): ROC-AUC {v.get('roc_auc'):.3f}, precision "
+          f"{v.get('precision'):.3f}, recall {v.get('recall'):.3f}, accept rate {v.get('accept_rate'):.3f}")
+    if decoding:
+        print("\n" + tabulate([{"method": m, **r} for m, r in decoding.items()], headers="keys", floatfmt=".3f"))
+    rows = targets(reports, decoding)
+    print("\n" + tabulate(rows, headers="keys"))
+    out = args.out / f"{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out, {"recipe": cfg.recipe.name, "reports": reports, "decoding": decoding, "targets": rows,
+                            "sweep": str(args.sweep) if args.sweep else None, "provenance": provenance(cfg, resolve_device(cfg.device))})
+    print(json.dumps({"written": str(out)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
