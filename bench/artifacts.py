@@ -225,7 +225,7 @@ def foreign_key(art: Artifact, folder: Path) -> str | None:
             return [d for k in sorted(set(a) | set(b)) for d in diff(a.get(k), b.get(k), f"{at}.{k}" if at else k)]
         return [] if a == b else [at or "key"]
 
-    return ", ".join(diff(want, have, "")[:4])
+    return ", ".join(diff(want, have, "")[:4]) or "key"
 
 
 def _first_line(err: Exception) -> str:

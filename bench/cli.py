@@ -211,7 +211,7 @@ def train_main(args: list[str]) -> int:
     n_drafts = get_method(cfg.method.name).drafts if args[0] == "method" else None
     start = time.perf_counter()
     pair = load_pair(cfg, train_if_missing=True, n_drafts=n_drafts)
-    drafts = [draft_report(pair.target.module, spec.recipe, pair.teacher)
+    drafts = [draft_report(pair.target.module, pair.tokenizer, spec.recipe, pair.teacher)
               for spec in (cfg.pair.get("drafts") or [])[:n_drafts] if spec.source == "distilled"]
     if args[0] == "draft":
         for report in drafts:
@@ -221,15 +221,14 @@ def train_main(args: list[str]) -> int:
     names = [cfg.method.name] if args[0] == "method" else known_methods()
     for name in names:
         method_cls = get_method(name)
-        if method_cls.drafts > len(pair.drafts):
-            log.info("%s: skipped (pair=%s has %d drafts, %s needs %d)", name, pair.name, len(pair.drafts), name,
-                     method_cls.drafts)
+        if method_cls.drafts and not pair.drafts:  # as Method.check_pair says: a drafting method needs a draft
+            log.info("%s: skipped (pair=%s has no draft)", name, pair.name)
             continue
         method = method_cls(cfg.method if name == cfg.method.name else method_cls.settings({}), pair)
         start = time.perf_counter()
         method.setup(train_if_missing=True)
         reports[name] = {"seconds": round(time.perf_counter() - start, 1), **getattr(method, "report", {})}
-    print(json.dumps(reports if args[0] == "all" else reports[cfg.method.name], indent=2, default=str))
+    print(json.dumps(reports if args[0] == "all" else reports.get(cfg.method.name, {}), indent=2, default=str))
     return 0
 
 
@@ -251,7 +250,7 @@ def train_store(args: list[str]) -> int:
 
 
 def show_main(args: list[str]) -> int:
-    """``show [method=NAME] [pair=NAME] [dataset=NAME] [overrides]``: every setting of the named groups (none
+    """``show [method=NAME] [pair=NAME] [dataset=NAME] [recipe=NAME] [overrides]``: every setting of the named groups (none
     named: the top-level settings) with its type, value and meaning, printed from the schema."""
     from tabulate import tabulate
 

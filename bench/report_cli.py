@@ -189,11 +189,16 @@ def _read_curve(path: Path) -> dict:
 def report_main(argv: list[str]) -> int:
     """``python -m bench report RESULTS... [--out DIR]``: one self-contained HTML page."""
     args = _args("report", argv, _TABLE_FLAGS[1:])
-    # A learning curve's folder (scripts/learning_curve.py) is a figure of the report, not a run.
-    curves = [p for p in map(Path, args.results) if (p / "learning_curve.json").is_file() or p.name == "learning_curve.json"]
-    runs_paths = [r for r in args.results if Path(r) not in curves]
+    # Learning curves (scripts/learning_curve.py) under the paths are figures of the report; a path holding
+    # curves and no records is not a run.
+    curves, runs_paths = [], []
+    for p in map(Path, args.results):
+        found = [p] if p.name == "learning_curve.json" else sorted(p.rglob("learning_curve.json")) if p.is_dir() else []
+        curves += found
+        if not found or (p.is_dir() and any(p.rglob("records.jsonl"))):
+            runs_paths.append(str(p))
     df, runs = study.load(runs_paths, args.baseline)
-    path = render_report(df, runs, args.out, args.ci, [p if p.is_file() else p / "learning_curve.json" for p in curves])
+    path = render_report(df, runs, args.out, args.ci, curves)
     print(f"report: {path}")
     return 0
 

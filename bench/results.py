@@ -91,12 +91,12 @@ def read_records(path: Path) -> list[dict]:
     return out
 
 
-def run_key(method_cfg: dict, cfg: DictConfig, prompt_id: str) -> str:
+def run_key(method_cfg: dict, cfg: DictConfig, prompt_id: str, trained: bool = False) -> str:
     """A stable id of one decode's settings: same key, same measurement to make (a resumed run keeps it).
 
     Covers the method's settings, the pair's config, the dataset's config (but not ``n_prompts`` or
-    ``categories``, which only choose prompts), the training recipe, the prompt, temperature, top_p,
-    max_new_tokens and seed.
+    ``categories``, which only choose prompts), the prompt, temperature, top_p, max_new_tokens and seed,
+    and, for a method with trained parts (``trained``), the training recipe.
     """
     dataset = OmegaConf.to_container(cfg.dataset, resolve=True)
     for key in ("n_prompts", "categories"):
@@ -106,12 +106,13 @@ def run_key(method_cfg: dict, cfg: DictConfig, prompt_id: str) -> str:
         "pair": OmegaConf.to_container(cfg.pair, resolve=True),
         "dataset": dataset,
         "prompt_id": prompt_id,
-        "recipe": OmegaConf.to_container(cfg.recipe, resolve=True) if cfg.get("recipe") is not None else None,
         "temperature": float(cfg.temperature),
         "top_p": float(cfg.top_p),
         "max_new_tokens": int(cfg.max_new_tokens),
         "seed": int(cfg.seed),
     }
+    if trained and cfg.get("recipe") is not None:  # absent otherwise: older run keys stay valid
+        parts["recipe"] = OmegaConf.to_container(cfg.recipe, resolve=True)
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 

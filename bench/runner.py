@@ -143,7 +143,9 @@ def resume_plan(cfg: DictConfig, mcfgs: dict[str, DictConfig], run_dir: Path, pr
     ``resume`` set, the records of prompts whose every method already has a complete record in ``run_dir``
     (a prompt missing any of them is decoded again by all, so speedups stay paired within one process)."""
     settings = {name: OmegaConf.to_container(m, resolve=True) for name, m in mcfgs.items()}
-    keys = {p.prompt_id: {name: run_key(mc, cfg, p.prompt_id) for name, mc in settings.items()} for p in prompts}
+    trains = {name: get_method(name).trains(cfg.pair) for name in mcfgs}  # only those depend on the recipe
+    keys = {p.prompt_id: {name: run_key(mc, cfg, p.prompt_id, trains[name]) for name, mc in settings.items()}
+            for p in prompts}
     done = {}
     if cfg.get("resume"):
         prev = previous_records(run_dir)
@@ -176,8 +178,9 @@ def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float, samp
         "max_new_tokens": cfg.max_new_tokens,
         "seed": cfg.seed,
         "method_cfg": OmegaConf.to_container(method.cfg, resolve=True),
-        # The training recipe behind the method's trained parts (draft, heads, verifier); None: nothing trained.
-        "recipe": pair.teacher.recipe.name if method.trained() else None,
+        # The training recipe behind the method's trained parts (draft, heads, verifier): its name, or
+        # name~<hash> when its settings were overridden; None: nothing trained.
+        "recipe": pair.teacher.recipe.label if type(method).trains(pair.spec) else None,
         "prompt_ids": prompt_ids,
         "output_ids": decoded.output_ids,
         "output_text": pair.tokenizer.decode(decoded.output_ids, skip_special_tokens=True),

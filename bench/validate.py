@@ -88,6 +88,7 @@ def checked(cfg: DictConfig) -> dict[str, Settings]:
     method_cls.check_pair(method, pair)
     dataset = dataset_settings(nodes["dataset"])
     recipe = check(RecipeSettings, nodes["recipe"], "recipe", f"recipe={nodes['recipe'].get('name')}")
+    method_cls.check_recipe(method, recipe)
     if settings.baseline is not None:
         baseline = get_method(settings.baseline)  # an unknown name lists the known ones
         try:

@@ -71,17 +71,20 @@ def _sentences(text: str, n: int) -> str:
     return " ".join(text.split(". ")[:n]).strip()
 
 
-def instruction_prompts(n: int, seed: int = 0) -> list[str]:
+def instruction_prompts(n: int, seed: int = 0, split: str | None = None) -> list[str]:
     """``n`` varied instructions built from packaged text, for the target to answer (self-distillation).
 
     Sources: Lee *background* articles (the benchmark's news prompts use the held-out ``test`` articles)
     and the Wikipedia extract. GSM8K is left out on purpose: the benchmark draws its math prompts there.
+    ``split``: ``train`` or ``test`` builds them from that split's articles only (Lee train / test, the wiki
+    extract's first nine tenths / last tenth), so a held-out evaluation never reads training text;
+    ``None`` (hierarchy's model database, the scripts): Lee background and every wiki article, as before.
     """
     import random
 
     rng = random.Random(seed)
-    articles = [a[:900] for a in lee_articles("train")]
-    wiki = [w[:700] for w in wiki_articles()]
+    articles = [a[:900] for a in lee_articles(split or "train")]
+    wiki = [w[:700] for w in (corpus("wiki", split) if split else wiki_articles())]
     templates = [
         lambda a: f"Summarize the following news article in three sentences.\n\n{a}",
         lambda a: f"What are the main points of this text?\n\n{a}",

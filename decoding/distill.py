@@ -16,7 +16,6 @@ import logging
 import math
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from omegaconf import DictConfig
@@ -27,10 +26,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from bench.artifacts import Artifact, load_or_build, model_fingerprint, report_of
 from bench.errors import BenchError
+from decoding.teacher import Teacher, tokenizer_key
 from decoding.training import TrainRecipe, fit
-
-if TYPE_CHECKING:
-    from decoding.teacher import Teacher
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +222,7 @@ def draft_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> A
         draft.load_state_dict(blob["state"])
         return draft.eval()
 
-    key = {"target": ident, "recipe": recipe, "teacher": teacher.recipe.budget("draft")}
+    key = {"target": ident, "recipe": recipe, "teacher": teacher.recipe.budget("draft"), **tokenizer_key(tokenizer)}
     return Artifact("drafts", ident["name"], key, build, load,
                     hint="run 'python -m bench train draft' with the same pair= and recipe= settings",
                     description="distilled draft")
@@ -237,6 +234,6 @@ def load_or_train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher)
     return load_or_build(draft_artifact(target, tokenizer, recipe, teacher), teacher.cache, teacher.build_if_missing)
 
 
-def draft_report(target, recipe: DictConfig, teacher: Teacher) -> dict:
+def draft_report(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> dict:
     """The training report of the cached draft for (target, recipe, teacher.recipe) ({} when there is none)."""
-    return report_of(draft_artifact(target, None, recipe, teacher), teacher.cache)
+    return report_of(draft_artifact(target, tokenizer, recipe, teacher), teacher.cache)

@@ -28,6 +28,7 @@ float16`` (only with ``hidden: true``).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import shutil
@@ -68,7 +69,7 @@ class StoreSettings(Settings):
     answer_batch: int = Field(16, ge=1, description="answers generated per batch")
     seq_len: int = Field(256, ge=2, description="tokens per stored sequence")
     shard_sequences: int = Field(64, ge=1, description="sequences per shard: the unit that is built, kept after "
-                                 "a kill and appended")
+                                 "a kill and appended (held-out shards hold a quarter as many)")
     topk: int = Field(32, ge=1, description="the target's top-k next-token probabilities kept per position")
     hidden: bool = Field(True, description="keep the target's last hidden states (float16): heads, the SPRINTER "
                          "verifier's sampling labels and the teacher loss need them")
@@ -94,13 +95,22 @@ class RecipeSettings(Settings):
 
     def budget(self, trainer: str) -> dict:
         """What a trained artifact of ``trainer`` (draft, heads, verifier) depends on in the recipe: the store's
-        contents, how many of its tokens are read and for how many epochs (not the recipe's name)."""
-        return {"store": self.store.model_dump(mode="json"), "tokens": self.tokens, "eval_tokens": self.eval_tokens,
+        contents, how many of its tokens are read and for how many epochs (not the recipe's name, nor the
+        held-out size, which changes only the report)."""
+        return {"store": self.store.model_dump(mode="json"), "tokens": self.tokens,
                 "epochs": getattr(self, f"{trainer}_epochs")}
 
+    @property
+    def label(self) -> str:
+        """The recipe as records and tables name it: its name, or ``name~<hash>`` when settings were overridden."""
+        preset = RECIPES.get(self.name)
+        if preset is not None and preset == self:
+            return self.name
+        return f"{self.name}~{content_key(self.model_dump(mode='json'))[:6]}"
 
-# The presets of ``recipe=NAME``. quick and full share one store (full appends to quick's shards): full is
-# sized so that ``python -m bench train all recipe=full`` ends within an hour on 2 CPU cores (README).
+
+# The presets of ``recipe=NAME``. quick and full share one store (full appends to quick's shards); full is
+# sized for ``python -m bench train all recipe=full`` in about an hour on 2 CPU cores (README: measured).
 RECIPES = {
     "smoke": RecipeSettings(name="smoke", tokens=4096, eval_tokens=1024, draft_epochs=1, heads_epochs=1,
                             verifier_epochs=2, store=StoreSettings(corpus="lee", seq_len=64, shard_sequences=16,
@@ -124,6 +134,7 @@ class TeacherStore:
     folder: Path
     reports: list[dict]  # each shard's build report: kind, tokens, seconds, tokens_per_s
     limit: int
+    per_shard: int  # sequences per shard (sequences_per_shard(settings, split))
 
     def report(self) -> dict:
         """What the store holds and what labelling cost, by kind of shard (``train store`` prints it)."""
@@ -146,13 +157,13 @@ class TeacherStore:
 
     def kind(self, i: int) -> str:
         """``text`` or ``answers``: what sequence ``i`` holds."""
-        return self.reports[i // self.settings.shard_sequences].get("kind", "text")
+        return self.reports[i // self.per_shard].get("kind", "text")
 
     def rows(self, index, fields=FILES) -> dict[str, torch.Tensor]:
         """Sequences ``index`` (ints in ``[0, len)``) as tensors: ``ids``, ``idx`` LongTensor, ``prob``,
         ``hidden`` FloatTensor, ``mask`` BoolTensor (those of ``fields`` the store has); only those rows are
         read from disk."""
-        per = self.settings.shard_sequences
+        per = self.per_shard
         out: dict[str, list] = {}
         for i in index:
             if not 0 <= int(i) < len(self):
@@ -239,13 +250,21 @@ def target_answers(target, tokenizer, prompts: list[str], batch_size: int, max_n
 # --------------------------------------------------------------------------------------------- the store
 
 
-def shard_kinds(settings: StoreSettings, n: int) -> list[tuple[str, int]]:
+def sequences_per_shard(settings: StoreSettings, split: str) -> int:
+    """Sequences per shard: ``shard_sequences`` in the train split, a quarter as many held out (an evaluation
+    needs few tokens, but of both kinds)."""
+    return settings.shard_sequences if split == "train" else max(1, settings.shard_sequences // 4)
+
+
+def shard_kinds(settings: StoreSettings, n: int, split: str = "train") -> list[tuple[str, int]]:
     """``(kind, i)`` of shards 0..n-1: ``answers`` shards spread evenly at the settings' share, each kind
     numbered on its own (text shard i holds the i-th slice of the corpus, answers shard i the i-th slice of
-    the instructions), so shard j's content never depends on how many shards are asked for."""
-    out, counts = [], {"text": 0, "answers": 0}
+    the instructions), so shard j's content never depends on how many shards are asked for. The held-out
+    split starts with an answers shard (its reports need the target's own answers however small it is)."""
+    out, counts, a = [], {"text": 0, "answers": 0}, settings.answers
     for j in range(n):
-        kind = "answers" if math.floor((j + 1) * settings.answers) > math.floor(j * settings.answers) else "text"
+        step = math.ceil if split == "test" else math.floor
+        kind = "answers" if step((j + 1) * a) > step(j * a) else "text"
         out.append((kind, counts[kind]))
         counts[kind] += 1
     return out
@@ -266,13 +285,12 @@ class _Sources:
 
     @cached_property
     def prompts(self) -> list[str]:
-        pool = instruction_prompts(10**6, self.s.seed)  # every instruction, shuffled by seed
-        cut = int(len(pool) * 0.9)  # the last tenth is held out (split=test)
-        return pool[:cut] if self.split == "train" else pool[cut:]
+        # Every instruction built from this split's articles, shuffled by seed: held-out text never leaks in.
+        return instruction_prompts(10**6, self.s.seed, self.split)
 
     def text(self, i: int) -> torch.Tensor:
         """Text shard ``i``: ``LongTensor (S, L)``, the i-th slice of the stream."""
-        S, L = self.s.shard_sequences, self.s.seq_len
+        S, L = sequences_per_shard(self.s, self.split), self.s.seq_len
         start, end = i * S * L, (i + 1) * S * L
         if end > len(self.stream):
             raise BenchError(f"recipe.store.corpus '{self.s.corpus}' ({self.split} split) holds "
@@ -284,11 +302,11 @@ class _Sources:
     def answers(self, target, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Answers shard ``i``: the target's greedy answers to instructions ``[i*S, (i+1)*S)``, each row its
         prompt's last tokens then the answer, right-padded with EOS; ``(ids (S, L), mask (S, L))``."""
-        S, L = self.s.shard_sequences, self.s.seq_len
+        S, L = sequences_per_shard(self.s, self.split), self.s.seq_len
         prompts = self.prompts[i * S : (i + 1) * S]
         if len(prompts) < S:
-            raise BenchError(f"the packaged instructions ({len(self.prompts):,} in split '{self.s.split}') are used "
-                             "up; ask for fewer store.tokens or a smaller store.answers share.")
+            raise BenchError(f"the packaged instructions ({len(self.prompts):,} in the {self.split} split) are used "
+                             "up; ask for fewer recipe.tokens (or eval_tokens) or a smaller recipe.store.answers share.")
         ids = torch.full((S, L), self.tok.eos_token_id, dtype=torch.long)
         mask = torch.zeros(S, L, dtype=torch.bool)
         gen = target_answers(target, self.tok, prompts, self.s.answer_batch, self.s.answer_tokens,
@@ -336,19 +354,20 @@ def shard_artifact(target, tokenizer, settings: StoreSettings, split: str, j: in
                 if (folder / f"{name}.npy").exists()}
 
     store = f"store-{split}-{content_key(fingerprint, key['store'])}"
-    return Artifact("teacher", f"{store}/shard-{j:05d}", key, build, load, description=f"teacher store shard {j}",
+    # version 2: instructions drawn from the split's own articles; held-out shards a quarter the size.
+    return Artifact("teacher", f"{store}/shard-{j:05d}", key, build, load, version=2, description=f"teacher store shard {j}",
                     hint="run 'python -m bench train store' with the same pair= and recipe= (or train_if_missing=true)")
 
 
-def shard_bytes(settings: StoreSettings, hidden_size: int) -> int:
-    """Bytes one shard takes on disk (its .npy arrays)."""
+def shard_bytes(settings: StoreSettings, hidden_size: int, sequences: int) -> int:
+    """Bytes one shard of ``sequences`` rows takes on disk (its .npy arrays)."""
     per_position = 4 + 1 + settings.topk * (4 + 2) + (2 * hidden_size if settings.hidden else 0)
-    return settings.shard_sequences * settings.seq_len * per_position
+    return sequences * settings.seq_len * per_position
 
 
-def check_disk(folder: Path, missing: int, settings: StoreSettings, hidden_size: int) -> None:
+def check_disk(folder: Path, missing: int, settings: StoreSettings, hidden_size: int, sequences: int) -> None:
     """Refuse a build whose missing shards would not fit on the disk, before any of them is labelled."""
-    need = missing * shard_bytes(settings, hidden_size)
+    need = missing * shard_bytes(settings, hidden_size, sequences)
     folder.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(folder).free
     if need > free:
@@ -362,21 +381,34 @@ def load_or_grow_store(target, tokenizer, settings: StoreSettings, cache: Path, 
     """The ``split`` store of ``target`` holding at least ``tokens`` positions (whole shards): shards already
     built are loaded, missing ones built in order (a progress bar per shard). ``target`` is the frozen target;
     the store's limit is ``ceil(tokens / seq_len)`` sequences."""
-    per_shard = settings.shard_sequences * settings.seq_len
-    n = math.ceil(tokens / per_shard)
-    fingerprint = {**model_fingerprint(target), "tokenizer": tokenizer_fingerprint(tokenizer)}
+    per = sequences_per_shard(settings, split)
+    n = math.ceil(tokens / (per * settings.seq_len))
+    fingerprint = store_fingerprint(target, tokenizer)
     sources = _Sources(tokenizer, settings, split)
     arts = [shard_artifact(target, tokenizer, settings, split, j, kind, sources, fingerprint)
-            for j, kind in enumerate(shard_kinds(settings, n))]
+            for j, kind in enumerate(shard_kinds(settings, n, split))]
     missing = [a for a in arts if not report_of(a, cache)]
     if missing and build_if_missing:
-        check_disk(arts[0].folder(cache).parent, len(missing), settings, target.config.hidden_size)
+        check_disk(arts[0].folder(cache).parent, len(missing), settings, target.config.hidden_size, per)
     shards, reports = [], []
     with torch.inference_mode():
         for art in tqdm(arts, desc=f"teacher store ({split})", unit="shard"):
             shards.append(load_or_build(art, cache, build_if_missing))
             reports.append(report_of(art, cache))
-    return TeacherStore(settings, shards, arts[0].folder(cache).parent, reports, math.ceil(tokens / settings.seq_len))
+    return TeacherStore(settings, shards, arts[0].folder(cache).parent, reports, math.ceil(tokens / settings.seq_len), per)
+
+
+def tokenizer_key(tokenizer) -> dict:
+    """The tokenizer's part of a store's key (and of what is trained from it): its vocabulary and its chat
+    template (the answers' prompts are written in it)."""
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    return {"tokenizer": tokenizer_fingerprint(tokenizer), "chat_template": hashlib.sha256(template.encode()).hexdigest()[:16]}
+
+
+def store_fingerprint(target, tokenizer) -> dict:
+    """What a store's labels depend on besides its settings: the target's weights and the dtype it labels in
+    (bf16 labels are not fp32 labels), and :func:`tokenizer_key`."""
+    return {**model_fingerprint(target), "dtype": str(next(target.parameters()).dtype), **tokenizer_key(tokenizer)}
 
 
 @dataclass

@@ -294,7 +294,7 @@ def train_heads(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teach
     if not settings.hidden:
         raise BenchError("heads read the target's hidden states, which this store does not keep; set "
                          "recipe.store.hidden=true.")
-    if settings.seq_len <= K + 1:
+    if settings.seq_len <= K + 1:  # also checked with the config (TreeHeadsMethod.check_recipe)
         raise BenchError(f"recipe.store.seq_len ({settings.seq_len}) must exceed method.recipe.num_heads + 1 ({K + 1}).")
     train, held = teacher.store(target, tokenizer, "train"), teacher.store(target, tokenizer, "test")
     cols = train.rows(range(len(train)), ("ids", "idx", "mask"))
@@ -344,7 +344,7 @@ def train_heads(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teach
 # --------------------------------------------------------------------------------------------- caching
 
 
-def heads_artifact(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teacher) -> Artifact:
+def heads_artifact(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teacher, method: str | None = None) -> Artifact:
     """The heads of (target, kind, recipe, the run's training recipe) as a cached artifact: ``heads.pt`` (heads
     and prefix layer).
 
@@ -379,18 +379,18 @@ def heads_artifact(target, tokenizer, kind: str, recipe: DictConfig, teacher: Te
 
     key = {"target": ident, "kind": kind, "recipe": keyed, "teacher": teacher.recipe.budget("heads")}
     return Artifact("heads", f"{kind}-{ident['name']}", key, build, load,
-                    hint=f"run 'python -m bench train method method={kind}' with the same recipe=",
+                    hint=f"run 'python -m bench train method method={method or kind}' with the same recipe=",
                     description=f"{kind} heads")
 
 
 def load_or_train_heads(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teacher,
-                        train_if_missing: bool = True) -> tuple[Heads, PrefixLayer | None, dict]:
+                        train_if_missing: bool = True, method: str | None = None) -> tuple[Heads, PrefixLayer | None, dict]:
     """The cached heads for (target, kind, recipe, teacher.recipe), trained first when missing and
     ``train_if_missing``.
 
     Returns the heads, the prefix layer (``None`` unless ``recipe.prefix_layer``), both on the CPU in fp32,
     and their training report.
     """
-    art = heads_artifact(target, tokenizer, kind, recipe, teacher)
+    art = heads_artifact(target, tokenizer, kind, recipe, teacher, method)
     heads, prefix = load_or_build(art, teacher.cache, train_if_missing)
     return heads, prefix, report_of(art, teacher.cache)

@@ -112,8 +112,16 @@ class TreeHeadsMethod(DraftVerify):
         self.heads: CountedHeads | None = None
         self.prefix: CountedPrefix | None = None
 
-    def trained(self) -> bool:
+    @classmethod
+    def trains(cls, pair_spec) -> bool:
         return True  # the heads
+
+    @classmethod
+    def check_recipe(cls, settings, recipe) -> None:
+        K = settings.recipe.num_heads
+        if recipe.store.seq_len <= K + 1:
+            raise BenchError(f"recipe.store.seq_len ({recipe.store.seq_len}) must exceed method.recipe.num_heads + 1 "
+                             f"({K + 1}): head k learns from the token k + 2 positions ahead.")
 
     def is_lossless(self, sampling) -> bool:
         # Typical acceptance keeps tokens the target would not have sampled; at temperature 0 it is the greedy rule.
@@ -124,7 +132,7 @@ class TreeHeadsMethod(DraftVerify):
             raise BenchError(f"unknown heads kind '{self.kind}'; use one of {', '.join(KINDS)}.")
         target = self.pair.target.module
         heads, prefix, self.report = load_or_train_heads(target, self.pair.tokenizer, self.kind, self.cfg.recipe,
-                                                         self.pair.teacher, train_if_missing)
+                                                         self.pair.teacher, train_if_missing, method=self.name)
         if heads.num_heads < self.shape.max_depth or heads.blocks[0].linear.out_features != target.config.hidden_size:
             raise BenchError(f"the cached {self.kind} heads do not fit this target and tree; delete them to retrain.")
         # Registered as a role so the harness counts the heads' calls and FLOPs like any model's.

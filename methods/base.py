@@ -96,10 +96,16 @@ class Method:
     def setup(self, train_if_missing: bool = True) -> None:
         """Load (or build, when missing) what the method needs beyond the pair: heads, verifier, tables."""
 
-    def trained(self) -> bool:
-        """Whether the method runs anything trained under the run's recipe (a distilled draft; subclasses with
-        heads or a verifier say so): its records then name the recipe."""
-        return any(spec.source == "distilled" for spec in list(self.pair.spec.get("drafts") or [])[: self.drafts])
+    @classmethod
+    def trains(cls, pair_spec) -> bool:
+        """Whether the method runs anything trained under the run's recipe on a pair of ``pair_spec`` (a
+        distilled draft; subclasses with heads or a verifier say so): its records then name the recipe, and
+        its run keys (resume) include it."""
+        return any(spec.source == "distilled" for spec in list(pair_spec.get("drafts") or [])[: cls.drafts])
+
+    @classmethod
+    def check_recipe(cls, settings: MethodSettings, recipe) -> None:
+        """Rules between the method's settings and the run's training recipe, before any model loads."""
 
     def is_lossless(self, sampling: Sampling) -> bool:
         """Whether this instance's output is exactly the target's under ``sampling`` (what records say)."""

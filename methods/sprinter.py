@@ -93,7 +93,8 @@ class Sprinter(DraftVerify):
             x = tok.view(1, 1)
         return tokens, q, "budget"  # limit == 0: nothing drafted
 
-    def trained(self) -> bool:
+    @classmethod
+    def trains(cls, pair_spec) -> bool:
         return True  # the verifier
 
     def start(self, st: Decoding) -> None:

@@ -39,14 +39,15 @@ from bench.validate import validate  # noqa: E402
 from decoding.distill import draft_report  # noqa: E402
 
 
-def point(overrides: list[str], tokens: int, methods: list[str]) -> dict:
-    """Train (or read back) the draft and the heads under ``recipe.tokens=tokens``; their held-out figures."""
+def point(overrides: list[str], tokens: int, methods: list[str]) -> tuple[dict, object]:
+    """Train (or read back) the draft and the heads under ``recipe.tokens=tokens``; their held-out figures and
+    the config they were trained under."""
     cfg = validate(compose([*overrides, f"recipe.tokens={tokens}"]))
     pair = load_pair(cfg, n_drafts=1)
     specs = [s for s in cfg.pair.get("drafts") or [] if s.source == "distilled"]
     row = {"tokens": tokens, "recipe": cfg.recipe.name}
     if specs:
-        d = draft_report(pair.target.module, specs[0].recipe, pair.teacher)
+        d = draft_report(pair.target.module, pair.tokenizer, specs[0].recipe, pair.teacher)
         row.update(draft_text=d["agreement_after"], draft_answers=d.get("answer_agreement"),
                    train_tokens=d["train_tokens"])
     for name in methods:

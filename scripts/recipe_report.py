@@ -47,7 +47,7 @@ def trained_reports(cfg) -> dict:
     """The training report of the pair's first distilled draft, of each heads method and of the verifier."""
     pair = load_pair(cfg, train_if_missing=False, n_drafts=1)
     specs = [s for s in cfg.pair.get("drafts") or [] if s.source == "distilled"]
-    out = {"draft": draft_report(pair.target.module, specs[0].recipe, pair.teacher) if specs else {}}
+    out = {"draft": draft_report(pair.target.module, pair.tokenizer, specs[0].recipe, pair.teacher) if specs else {}}
     for name in (*HEADS, "sprinter"):
         method = get_method(name)(get_method(name).settings({}), pair)
         method.setup(train_if_missing=False)

@@ -67,7 +67,6 @@ def test_shards_hold_the_targets_own_outputs(tiny_pair, tmp_path):
 
 
 def test_growing_keeps_what_was_labelled(tiny_pair, tmp_path, counted_labels):
-    target, tok = tiny_pair.target.module, tiny_pair.tokenizer
     small = grow(tiny_pair, 2, tmp_path)
     assert counted_labels["n"] == 2
     big = grow(tiny_pair, 4, tmp_path)
@@ -78,7 +77,6 @@ def test_growing_keeps_what_was_labelled(tiny_pair, tmp_path, counted_labels):
 
 
 def test_a_killed_build_resumes_at_the_first_missing_shard(tiny_pair, tmp_path, counted_labels):
-    target, tok = tiny_pair.target.module, tiny_pair.tokenizer
     counted_labels["fail_at"] = 2
     with pytest.raises(KeyboardInterrupt):
         grow(tiny_pair, 3, tmp_path, answers=0)
