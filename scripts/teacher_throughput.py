@@ -5,10 +5,10 @@
 Measured under the harness clock (device synchronised before every read) on the pair's target (default:
 SmolLM2-135M-Instruct, fp32, unpacked as the trainers read it):
 
-- ``answers``: the target's greedy answers to ``--prompts`` packaged instructions (``decoding.distill.
+- ``answers``: the target's greedy answers to ``--prompts`` packaged instructions (``decoding.teacher.
   target_answers``, what the store's answer shards run) one prompt at a time and ``--batch`` at a time: new
   tokens per second, and the ratio.
-- ``teacher_forced``: ``decoding.teacher.teacher_pass`` over ``--seqs`` rows of ``store.seq_len`` packaged
+- ``teacher_forced``: ``decoding.teacher.teacher_pass`` over ``--seqs`` rows of ``recipe.store.seq_len`` packaged
   tokens with the last hidden states kept (what the store's text shards run): tokens per second.
 
 Prints one JSON object (with the settings and the machine's thread count).

@@ -53,3 +53,35 @@ def test_teacher_throughput_reports_both_rates(cache_dir):
     assert answers["one_at_a_time"]["batch"] == 1 and answers["batched"]["batch"] == 4
     assert answers["one_at_a_time"]["tokens"] > 0 and answers["batched"]["tokens"] > 0
     assert out["teacher_forced"]["tokens"] == 64 and out["teacher_forced"]["tokens_per_s"] > 0
+
+
+def test_learning_curve_trains_each_budget_and_the_report_draws_it(tmp_path, cache_dir):
+    """Two budgets of the smoke recipe on the tiny pair with a distilled draft: the draft's and the heads'
+    held-out agreement per budget, a figure, and the report's learning-curve figure from the folder."""
+    draft = ["pair.drafts=[{source: distilled, recipe: {layers: [0], vocab: 64}}]"]
+    script("learning_curve.py", "--tokens", "1024,2048", "--methods", "medusa", "--out", str(tmp_path / "lc"),
+           "pair=tiny", "recipe=smoke", *draft, cache_dir=cache_dir)
+    folder = next((tmp_path / "lc").iterdir())
+    curve = json.loads((folder / "learning_curve.json").read_text())
+    assert [r["tokens"] for r in curve["rows"]] == [1024, 2048] and curve["recipe"] == "smoke"
+    for row in curve["rows"]:
+        assert 0 <= row["draft_text"] <= 1 and 0 <= row["draft_answers"] <= 1 and len(row["medusa"]) == 4
+    assert curve["rows"][0]["train_tokens"] < curve["rows"][1]["train_tokens"]
+    assert (folder / "learning_curve.png").stat().st_size > 0 and (folder / "learning_curve.pdf").exists()
+
+    from bench.report_cli import report_main
+    from tests.test_study import _record, _write_run
+
+    runs = tmp_path / "runs"
+    _write_run(runs / "a", [_record("ar", "p1", "qa", 1.0), _record("sd", "p1", "qa", 0.5, accept=[1], drafted=[2])])
+    assert report_main([str(runs), str(tmp_path / "lc"), "--out", str(tmp_path / "rep")]) == 0
+    page = (tmp_path / "rep" / "report.html").read_text()
+    assert "id='fig-learning_curve'" in page
+
+
+def test_recipe_report_says_how_to_train_what_is_missing(tmp_path, cache_dir):
+    env = {**os.environ, "BENCH_CACHE": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "recipe_report.py"), "pair=tiny", "recipe=smoke",
+                          "--out", str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 2 and "python -m bench train method" in res.stderr.strip().splitlines()[-1]

@@ -392,3 +392,20 @@ def test_report_renders_in_headless_chromium(synthetic, tmp_path):
     assert "sprinter (threshold=0.9)" in dom and "speedup_by_category" in dom
     # The page's script counts images the browser actually decoded (naturalWidth > 0).
     assert 'data-images-loaded="7"' in dom, res.stderr[-2000:]
+
+
+def test_labels_name_the_recipe_behind_trained_methods(tmp_path):
+    """Records of a trained method under two recipes are two rows, each label naming its recipe; untrained
+    methods (recipe null) keep their plain name."""
+    from bench import study, summary
+
+    recs = []
+    for recipe, wall in (("quick", 0.8), ("full", 0.5)):
+        recs += [{**_record("ar", "p1", "qa", 1.0), "recipe": None},
+                 {**_record("sd", "p1", "qa", wall, accept=[1], drafted=[2]), "recipe": recipe}]
+    _write_run(tmp_path / "a", recs[:2])
+    _write_run(tmp_path / "b", recs[2:])
+    df, _ = study.load([str(tmp_path)])
+    assert sorted(df["label"].unique()) == ["ar", "sd (recipe=full)", "sd (recipe=quick)"]
+    table = summary.summary_table(df)
+    assert len(table[table["method"] == "sd"]) == 2
