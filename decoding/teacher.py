@@ -116,7 +116,7 @@ RECIPES = {
                             verifier_epochs=2, store=StoreSettings(corpus="lee", seq_len=64, shard_sequences=16,
                                                                     answer_tokens=32, topk=8)),
     "quick": RecipeSettings(),
-    "full": RecipeSettings(name="full", tokens=196608, eval_tokens=32768, draft_epochs=2, heads_epochs=2,
+    "full": RecipeSettings(name="full", tokens=163840, eval_tokens=32768, draft_epochs=2, heads_epochs=1,
                            verifier_epochs=8),
 }
 
