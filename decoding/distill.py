@@ -165,6 +165,12 @@ def store_data(store, fields=("ids", "idx", "prob", "mask")) -> dict[str, torch.
     return store.rows(range(len(store)), fields)
 
 
+def store_vocab(tokenizer, data: dict, size: int, vocab_size: int) -> torch.Tensor:
+    """:func:`pick_vocab` over the labelled positions of a store's ``ids`` / ``idx`` / ``mask``."""
+    m = data["mask"]
+    return pick_vocab(tokenizer, data["ids"][m], data["idx"][..., 0][m], min(size, vocab_size))
+
+
 def train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tuple[DraftLM, dict]:
     """Distil a draft from the frozen target on the teacher store (packaged text and the target's own answers,
     interleaved at random); returns the draft and its training report (held-out agreement, by kind of text)."""
@@ -174,7 +180,7 @@ def train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
     held_store = teacher.store(target, tokenizer, "test")
     held = store_data(held_store, ("ids", "idx", "mask"))
     m = train["mask"]
-    vocab_map = pick_vocab(tokenizer, train["ids"][m], train["idx"][..., 0][m], min(int(recipe.vocab), target.config.vocab_size))
+    vocab_map = store_vocab(tokenizer, train, int(recipe.vocab), target.config.vocab_size)
     to_sub = sub_index(vocab_map, target.config.vocab_size)
     train["prob"] = train["prob"] * m.unsqueeze(-1)  # padding is no label
 

@@ -47,7 +47,7 @@ from bench.artifacts import (
 )
 from bench.counting import Counted, CountedModule
 from bench.errors import BenchError
-from decoding.distill import pick_vocab, sub_index
+from decoding.distill import store_data, store_vocab, sub_index
 from decoding.teacher import Teacher
 from decoding.training import TrainRecipe, fit
 
@@ -297,9 +297,9 @@ def train_heads(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teach
     if settings.seq_len <= K + 1:  # also checked with the config (TreeHeadsMethod.check_recipe)
         raise BenchError(f"recipe.store.seq_len ({settings.seq_len}) must exceed method.recipe.num_heads + 1 ({K + 1}).")
     train, held = teacher.store(target, tokenizer, "train"), teacher.store(target, tokenizer, "test")
-    cols = train.rows(range(len(train)), ("ids", "idx", "mask"))
+    cols = store_data(train, ("ids", "idx", "mask"))
     m = cols["mask"]
-    vocab_map = pick_vocab(tokenizer, cols["ids"][m], cols["idx"][..., 0][m], min(int(recipe.vocab), target.config.vocab_size))
+    vocab_map = store_vocab(tokenizer, cols, int(recipe.vocab), target.config.vocab_size)
     to_sub = sub_index(vocab_map, target.config.vocab_size).to(device)
 
     out_rows = target.get_output_embeddings().weight.data[vocab_map.to(device)]
