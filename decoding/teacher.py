@@ -79,8 +79,8 @@ class StoreSettings(Settings):
 
 class RecipeSettings(Settings):
     """How much the target labels and how long the trainers train (``recipe=smoke|quick|full``). Every trainer of
-    a run (distilled drafts, Medusa/Hydra heads, the SPRINTER verifier) reads the same teacher store under the
-    same recipe; records name the recipe behind each trained method."""
+    a run (distilled drafts, Medusa/Hydra heads, the SPRINTER verifier, EAGLE's draft layer) reads the same
+    teacher store under the same recipe; records name the recipe behind each trained method."""
 
     name: str = Field("quick", pattern=r"^[A-Za-z0-9_.-]+$", description="the recipe's name, as records and "
                       "tables show it")
@@ -91,6 +91,8 @@ class RecipeSettings(Settings):
     draft_epochs: int = Field(2, ge=1, description="passes of a distilled draft over the teacher tokens")
     heads_epochs: int = Field(2, ge=1, description="passes of Medusa / Hydra heads over the teacher tokens")
     verifier_epochs: int = Field(8, ge=1, description="passes of the SPRINTER verifier over its examples")
+    eagle_epochs: int = Field(6, ge=1, description="passes of EAGLE's draft layer over the teacher tokens (the "
+                              "paper: 20)")
     store: StoreSettings = Field(default_factory=StoreSettings, description="what the teacher store holds")
 
     def budget(self, trainer: str) -> dict:
@@ -113,11 +115,11 @@ class RecipeSettings(Settings):
 # sized for ``python -m bench train all recipe=full`` in about an hour on 2 CPU cores (README: measured).
 RECIPES = {
     "smoke": RecipeSettings(name="smoke", tokens=4096, eval_tokens=1024, draft_epochs=1, heads_epochs=1,
-                            verifier_epochs=2, store=StoreSettings(corpus="lee", seq_len=64, shard_sequences=16,
-                                                                    answer_tokens=32, topk=8)),
+                            verifier_epochs=2, eagle_epochs=1,
+                            store=StoreSettings(corpus="lee", seq_len=64, shard_sequences=16, answer_tokens=32, topk=8)),
     "quick": RecipeSettings(),
     "full": RecipeSettings(name="full", tokens=163840, eval_tokens=32768, draft_epochs=2, heads_epochs=1,
-                           verifier_epochs=8),
+                           verifier_epochs=8, eagle_epochs=8),
 }
 
 
@@ -210,7 +212,6 @@ def teacher_pass(target, chunks: torch.Tensor, topk: int, batch_size: int, desc:
         idx.append(i)
         prob.append(p)
     return (torch.cat(hidden) if with_hidden else None), torch.cat(idx), torch.cat(prob)
-
 
 
 

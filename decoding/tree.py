@@ -151,11 +151,17 @@ class Tree:
         """Additive mask ``(1, 1, n, past + n)``: 0 where a node may attend (cache, ancestors, itself), the
         dtype's minimum elsewhere. Additive because transformers' eager attention adds the mask to the
         scores (SDPA takes either); a 4D mask is passed through ``create_causal_mask`` as is."""
-        n = len(self)
-        allowed = torch.cat([torch.ones(n, past, dtype=torch.bool), self.ancestry()], dim=1).to(device)
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-        return mask[None, None]
+        return additive_mask(self.ancestry(), past, dtype, device)
+
+
+def additive_mask(allowed: torch.Tensor, past: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``(1, 1, n, past + m)`` additive attention mask: every query attends to the ``past`` cached positions,
+    and to the m new ones where ``allowed (n, m)`` is True; the dtype's minimum elsewhere."""
+    n = allowed.shape[0]
+    allowed = torch.cat([torch.ones(n, past, dtype=torch.bool), allowed.cpu()], dim=1).to(device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
 
 
 def score_tree(target, cache, tree: Tree, hidden: bool = False, **kwargs):

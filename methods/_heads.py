@@ -145,9 +145,10 @@ class CountedHeads(CountedModule):
         return self.module(hidden, path_emb)
 
 
-def prefix_config(target_config):
-    """The target's config cut to one decoder layer (its last), with a one-row token embedding: the prefix
-    layer is fed hidden states, never token ids, so a vocabulary-sized table would be dead weight."""
+def one_layer_config(target_config):
+    """The target's config cut to one decoder layer (its last), with a one-row token embedding: a one-layer
+    body (Hydra++'s prefix layer, EAGLE's draft) is fed vectors, never token ids, so a vocabulary-sized table
+    would be dead weight."""
     config = target_config.__class__.from_dict(target_config.to_dict())
     config.num_hidden_layers = 1
     if getattr(config, "layer_types", None) is not None:  # per-layer lists shrink with the layer count
@@ -163,6 +164,19 @@ def _layer_list(body: nn.Module) -> tuple[str, nn.ModuleList]:
     return next((name, m) for name, m in body.named_children() if isinstance(m, nn.ModuleList))
 
 
+def copy_last_layer(body: nn.Module, target) -> None:
+    """Load the target's last decoder layer into ``body``'s one layer (a model built from :func:`one_layer_config`),
+    and whatever else has the same name and shape (the final norm, GPT-2's position table)."""
+    src = target.base_model
+    name, mine = _layer_list(body)
+    mine[0].load_state_dict(_layer_list(src)[1][-1].state_dict())
+    theirs = src.state_dict()
+    with torch.no_grad():
+        for key, value in body.state_dict().items():
+            if not key.startswith(name + ".") and key in theirs and theirs[key].shape == value.shape:
+                value.copy_(theirs[key])
+
+
 class PrefixLayer(nn.Module):
     """Hydra++'s prefix attention layer: ``hidden + gamma * L(hidden)``.
 
@@ -176,21 +190,14 @@ class PrefixLayer(nn.Module):
         super().__init__()
         from transformers import AutoModel
 
-        self.config = prefix_config(target_config)
+        self.config = one_layer_config(target_config)
         self.body = AutoModel.from_config(self.config).float()
         self.gamma = nn.Parameter(torch.zeros(self.config.hidden_size))
 
     @classmethod
     def from_target(cls, target) -> PrefixLayer:
         layer = cls(target.config)
-        src = target.base_model
-        name, mine = _layer_list(layer.body)
-        mine[0].load_state_dict(_layer_list(src)[1][-1].state_dict())
-        theirs = src.state_dict()
-        with torch.no_grad():  # the final norm (and GPT-2's position table): same name, same shape
-            for key, value in layer.body.state_dict().items():
-                if not key.startswith(name + ".") and key in theirs and theirs[key].shape == value.shape:
-                    value.copy_(theirs[key])
+        copy_last_layer(layer.body, target)
         return layer
 
     def forward(self, hidden: torch.Tensor, cache=None) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """What a training recipe buys on a pair: the trained parts' held-out figures and, from a sweep, their decoding.
 
   python -m bench train all recipe=full                       # train everything first (this script never trains)
-  python -m bench run -m method=sd,medusa,hydra,hydra_pp,sprinter recipe=full
+  python -m bench run -m method=sd,medusa,hydra,hydra_pp,sprinter,eagle recipe=full
   python scripts/recipe_report.py recipe=full [--sweep results/sweeps/<date>/<time>] [--out DIR] [overrides]
 
 Reads the cached training reports of every trained part under the recipe (``train_if_missing`` is off: a part
@@ -12,6 +12,8 @@ that is not trained is one sentence saying how to train it) and prints them agai
 - Medusa / Hydra / Hydra++ heads: held-out top-1 agreement per head (targets: Medusa head 0 >= 0.35, Hydra >=
   Medusa at every head);
 - the SPRINTER verifier: held-out ROC-AUC, precision and recall on on-policy labels;
+- EAGLE's draft layer: held-out agreement of its first draft token, on all text and on the target's answers
+  (issue 13); with ``--sweep``, whether eagle beats ar (the target: >= 1.0x);
 - with ``--sweep DIR``: the sweep's summary (speedup against ar, mean accepted tokens per target call, α) per method.
 
 Each target is printed as met or not met, with the figure: a report, not an assertion. Writes
@@ -44,11 +46,12 @@ HEADS = ("medusa", "hydra", "hydra_pp")
 
 
 def trained_reports(cfg) -> dict:
-    """The training report of the pair's first distilled draft, of each heads method and of the verifier."""
+    """The training report of the pair's first distilled draft, of each heads method, of the verifier and of
+    EAGLE's draft layer."""
     pair = load_pair(cfg, train_if_missing=False, n_drafts=1)
     specs = [s for s in cfg.pair.get("drafts") or [] if s.source == "distilled"]
     out = {"draft": draft_report(pair.target.module, pair.tokenizer, specs[0].recipe, pair.teacher) if specs else {}}
-    for name in (*HEADS, "sprinter"):
+    for name in (*HEADS, "sprinter", "eagle"):
         method = get_method(name)(get_method(name).settings({}), pair)
         method.setup(train_if_missing=False)
         out[name] = method.report
@@ -73,6 +76,9 @@ def targets(reports: dict, decoding: dict) -> list[dict]:
     rows.append({"target": "SPRINTER verifier ROC-AUC / precision / recall (reported)",
                  "measured": f"{v.get('roc_auc', float('nan')):.3f} / {v.get('precision', float('nan')):.3f} / "
                              f"{v.get('recall', float('nan')):.3f}", "met": None})
+    eagle = decoding.get("eagle", {}).get("speedup_median")
+    rows.append({"target": "eagle >= 1.0x ar while decoding (issue 13)", "measured": eagle,
+                 "met": None if eagle is None else eagle >= 1.0})
     return rows
 
 
@@ -106,6 +112,9 @@ def main(argv: list[str]) -> int:
     v = reports["sprinter"]
     print(f"\nSPRINTER verifier (width {v.get('width')}): ROC-AUC {v.get('roc_auc'):.3f}, precision "
           f"{v.get('precision'):.3f}, recall {v.get('recall'):.3f}, accept rate {v.get('accept_rate'):.3f}")
+    e = reports["eagle"]
+    print(f"\nEAGLE draft layer: held-out depth-1 agreement {e.get('agreement_before')} -> {e.get('agreement_after')}, "
+          f"on target answers {e.get('answer_agreement')}, {e.get('train_tokens')} tokens")
     if decoding:
         print("\n" + tabulate([{"method": m, **r} for m, r in decoding.items()], headers="keys", floatfmt=".3f"))
     rows = targets(reports, decoding)

@@ -138,8 +138,8 @@ def test_too_little_disk_is_said_before_any_labelling(tiny_pair, tmp_path, count
 
 
 def test_every_trainer_reads_the_store_and_labels_nothing_itself(compose_cfg, tmp_path, monkeypatch):
-    """Once ``train store`` has run, the distilled draft, Medusa/Hydra heads and the SPRINTER verifier all train
-    from it: labelling (the target's teacher-forced pass or its answers) would fail the test."""
+    """Once ``train store`` has run, the distilled draft, Medusa/Hydra heads, the SPRINTER verifier and EAGLE's
+    draft layer all train from it: labelling (the target's teacher-forced pass or its answers) would fail the test."""
     from omegaconf import OmegaConf
 
     from bench.models import load_pair
@@ -158,11 +158,12 @@ def test_every_trainer_reads_the_store_and_labels_nothing_itself(compose_cfg, tm
     monkeypatch.setattr(teacher, "target_answers", no_labelling)
     pair = load_pair(cfg)  # distils the draft from the store
     reports = {"draft": pair.draft.module is not None}
-    for name in ("medusa", "hydra", "hydra_pp", "sprinter"):
+    for name in ("medusa", "hydra", "hydra_pp", "sprinter", "eagle"):
         method = get_method(name)(get_method(name).settings({"recipe": {"vocab": 64}} if name != "sprinter" else {}), pair)
         method.setup()
         reports[name] = method.report["recipe"]
-    assert reports == {"draft": True, "medusa": "smoke", "hydra": "smoke", "hydra_pp": "smoke", "sprinter": "smoke"}
+    assert reports == {"draft": True, "medusa": "smoke", "hydra": "smoke", "hydra_pp": "smoke", "sprinter": "smoke",
+                       "eagle": "smoke"}
 
 
 def test_a_truncated_shard_is_rebuilt_and_a_foreign_one_refused(tiny_pair, tmp_path, counted_labels):

@@ -1,0 +1,229 @@
+"""EAGLE's draft (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty"): one
+decoder layer that extrapolates the target's features, read by the target's own (frozen) output head.
+
+At position t the draft reads the target's last hidden state f_t (the *feature*: what the target's output head
+reads) and the input embedding of the token after it, e(x_{t+1}), fused by one linear layer ``fc`` (2H -> H),
+and runs one decoder layer of the target's own class over the sequence of such inputs (a KV cache of its own
+while decoding). Its output is its guess of f_{t+1}; the target's output head turns that into a distribution
+over x_{t+2}. Drafting deeper feeds the draft its own guessed features (EAGLE's autoregression over features).
+
+Training (EAGLE, Sec. 3.2-3.3), from the teacher store's stored features, the target never running:
+``v_weight * SmoothL1(f^_{t+1}, f_{t+1}) + p_weight * CE(softmax(head(f_{t+1})), softmax(head(f^_{t+1})))``
+(the paper's weights: 1.0 and 0.1), with uniform noise U(-noise, noise) added to the input features (the paper's 0.1)
+so the draft learns to read features that are slightly off, as its own are when it drafts deeper.
+
+Where this differs from the paper, and why (the README's table says it too):
+
+- the head is the target's output rows over a reduced vocabulary (``recipe.vocab`` most frequent stored tokens,
+  as the harness's heads and distilled drafts; EAGLE-3 does the same): on a CPU the full 49k-row head would
+  cost the draft four times its decoder layer. Candidates outside it are never proposed; verification stays
+  lossless;
+- the decoder layer is built by transformers from the target's config, so it keeps its input norm (EAGLE drops
+  the first layer's) and a final norm;
+- the cross-entropy weighs 1.0, not 0.1: from ~10^5 teacher tokens (ShareGPT gives the paper ~10^7) the
+  token loss is what teaches acceptance (README: measured), the feature loss still shapes deeper drafting.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Literal
+
+import torch
+from omegaconf import DictConfig
+from pydantic import Field
+from torch import nn
+
+from bench.artifacts import (
+    Artifact,
+    jsonable,
+    load_or_build,
+    model_fingerprint,
+    report_of,
+)
+from bench.counting import Counted
+from bench.errors import BenchError
+from decoding.distill import store_data, store_vocab
+from decoding.teacher import Teacher, tokenizer_key
+from decoding.training import TrainRecipe, fit
+from methods._heads import copy_last_layer, one_layer_config
+
+
+class EagleRecipe(TrainRecipe):
+    """How EAGLE's draft layer is trained (cached under cache_dir/eagle/, keyed by the target, this recipe, the
+    tokenizer and the run's training recipe)."""
+
+    lr: float = Field(2.0e-3, gt=0, description="AdamW learning rate (one-cycle schedule)")
+    vocab: int = Field(8192, ge=1, description="the draft proposes from the most frequent stored tokens only "
+                       "(verification stays lossless; the paper uses the whole vocabulary)")
+    v_weight: float = Field(1.0, ge=0, description="weight of the feature regression (smooth L1)")
+    p_weight: float = Field(1.0, ge=0, description="weight of the cross-entropy against the target's distribution "
+                            "(the paper: 0.1; 1.0 learns faster from 10^5 teacher tokens, README)")
+    noise: float = Field(0.1, ge=0, description="uniform noise U(-noise, noise) on the input features")
+    init: Literal["random", "target"] = Field("random", description="the decoder layer starts from random "
+                                              "weights (the paper), or from the target's last layer")
+
+
+class EagleDraft(nn.Module):
+    """``fc`` (2H -> H), one decoder layer ``body`` (the target's class; its final norm included) and the
+    frozen ``head`` (the target's output rows of ``vocab_map``, ``LongTensor (V',)`` of full-vocabulary ids)."""
+
+    def __init__(self, target_config, vocab_map: torch.Tensor):
+        super().__init__()
+        from transformers import AutoModel
+
+        hidden = target_config.hidden_size
+        self.config = one_layer_config(target_config)
+        self.fc = nn.Linear(2 * hidden, hidden)
+        self.body = AutoModel.from_config(self.config).float()
+        self.head = nn.Linear(hidden, vocab_map.numel(), bias=False).requires_grad_(False)
+        self.register_buffer("vocab_map", vocab_map.long(), persistent=True)
+
+    @classmethod
+    def from_target(cls, target, vocab_map: torch.Tensor, init: str = "target") -> EagleDraft:
+        draft = cls(target.config, vocab_map)
+        if init == "target":
+            copy_last_layer(draft.body, target)
+        draft.head.weight.data.copy_(target.get_output_embeddings().weight.data[vocab_map.to(target.device)].cpu())
+        return draft
+
+    def forward(self, feats: torch.Tensor, emb: torch.Tensor, cache=None, **kwargs) -> torch.Tensor:
+        """``feats (B, n, H)`` the features at n positions and ``emb (B, n, H)`` the embeddings of the tokens after
+        them -> ``(B, n, H)`` the guessed features one position later. ``cache``: the layer's KV cache of the
+        earlier positions, extended in place (``None``: the whole sequence at once, as in training);
+        ``kwargs``: ``attention_mask`` / ``position_ids`` (a draft tree)."""
+        x = self.fc(torch.cat([feats, emb], dim=-1))
+        out = self.body(inputs_embeds=x, past_key_values=cache, use_cache=cache is not None, **kwargs)
+        return out.last_hidden_state
+
+
+class CountedEagle(Counted):
+    """The ``eagle`` role: ``draft(feats (1, n, H), emb (1, n, H), cache, rows, **kw)`` returns the guessed
+    features ``(1, n, H)`` and the head's logits ``(1, rows, V')`` of the last ``rows`` positions (a catch-up
+    over the committed positions needs only the last), counted as such (FLOPs by :mod:`bench.flops`)."""
+
+    def __init__(self, draft: EagleDraft):
+        super().__init__(draft, "eagle", draft.config)
+        self.head_weights = draft.head.weight.numel()
+
+    def __call__(self, feats, emb, cache, rows: int, **kwargs):
+        n = feats.shape[1]
+        self._count(1, n, cache.get_seq_length() + n)
+        self.flops -= 2.0 * self.head_weights * (n - rows)
+        out = self.module(feats, emb, cache, **kwargs)
+        return out, self.module.head(out[:, n - rows :])
+
+
+# --------------------------------------------------------------------------------------------- training
+
+
+def eagle_loss(draft: EagleDraft, batch: dict, embed, recipe) -> torch.Tensor:
+    """EAGLE's loss over a store batch (``ids (B, T)``, ``mask (B, T)``, ``hidden (B, T, H)``): at every position t
+    where t and t + 1 are text, the guess of f_{t+1} from (f_t + noise, x_{t+1})."""
+    hidden, ids, mask = batch["hidden"].float(), batch["ids"], batch["mask"]
+    feats = hidden[:, :-1]
+    if recipe.noise > 0:
+        feats = feats + (torch.rand_like(feats) * 2 - 1) * float(recipe.noise)
+    guess = draft(feats, embed(ids[:, 1:]))  # (B, T - 1, H)
+    true = hidden[:, 1:]
+    keep = (mask[:, :-1] & mask[:, 1:]).float()
+    reg = nn.functional.smooth_l1_loss(guess, true, reduction="none").mean(-1)
+    with torch.no_grad():
+        p = torch.softmax(draft.head(true), -1)
+    ce = -(p * torch.log_softmax(draft.head(guess), -1)).sum(-1)
+    per_pos = float(recipe.v_weight) * reg + float(recipe.p_weight) * ce
+    return (per_pos * keep).sum() / keep.sum().clamp_min(1)
+
+
+@torch.no_grad()
+def eagle_agreement(draft: EagleDraft, store, embed, batch_size: int, rows=None, device=None) -> float:
+    """Fraction of the store's positions (``rows``: those sequences only) where the draft's greedy token from
+    (f_t, x_{t+1}) equals the target's greedy token after t + 1: the acceptance of a depth-1 draft token."""
+    hits = total = 0
+    rows = list(range(len(store))) if rows is None else list(rows)
+    for part in torch.tensor(rows, dtype=torch.long).split(batch_size):
+        b = {n: t.to(device) for n, t in store.rows(part, ("ids", "idx", "mask", "hidden")).items()}
+        guess = draft(b["hidden"][:, :-1].float(), embed(b["ids"][:, 1:]))
+        pred = draft.vocab_map[draft.head(guess).argmax(-1)]
+        keep = b["mask"][:, :-1] & b["mask"][:, 1:]
+        hits += (pred == b["idx"][:, 1:, 0])[keep].sum().item()
+        total += keep.sum().item()
+    return round(hits / max(total, 1), 4)
+
+
+def train_eagle(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tuple[EagleDraft, dict]:
+    """Train EAGLE's draft layer from the teacher store's features of the frozen target; returns it (on the
+    CPU, fp32) and a report (held-out depth-1 agreement before and after, on all text and on the target's own
+    answers)."""
+    torch.manual_seed(int(recipe.seed))
+    if next(target.parameters()).dtype != torch.float32:
+        target = copy.deepcopy(target).float()  # train in fp32 without changing the pair's target
+    target = target.eval()
+    device = next(target.parameters()).device
+    if not teacher.recipe.store.hidden:
+        raise BenchError("EAGLE reads the target's hidden states, which this store does not keep; set "
+                         "recipe.store.hidden=true.")
+    train, held = teacher.store(target, tokenizer, "train"), teacher.store(target, tokenizer, "test")
+    cols = store_data(train, ("ids", "idx", "mask"))
+    vocab_map = store_vocab(tokenizer, cols, int(recipe.vocab), target.config.vocab_size)
+    draft = EagleDraft.from_target(target, vocab_map, str(recipe.init)).to(device)
+    embed = target.get_input_embeddings()
+    bs = int(recipe.batch_size)
+    answers = [i for i in range(len(held)) if held.kind(i) == "answers"]
+    report = {"agreement_before": eagle_agreement(draft, held, embed, bs, device=device)}
+    params = [p for p in draft.parameters() if p.requires_grad]
+    draft.train()
+
+    def step(rows: torch.Tensor) -> torch.Tensor:
+        batch = {n: t.to(device) for n, t in train.rows(rows, ("ids", "mask", "hidden")).items()}
+        return eagle_loss(draft, batch, embed, recipe)
+
+    fit(params, lambda: torch.randperm(len(train)).split(bs), step, epochs=int(teacher.recipe.eagle_epochs),
+        steps_per_epoch=math.ceil(len(train) / bs), lr=float(recipe.lr), desc="eagle: training the draft layer")
+    draft.eval()
+    report.update(
+        agreement_after=eagle_agreement(draft, held, embed, bs, device=device),
+        # On the target's own held-out answers: the kind of text a greedy decode drafts for.
+        answer_agreement=eagle_agreement(draft, held, embed, bs, answers, device) if answers else None,
+        recipe=teacher.recipe.name,
+        train_tokens=int(cols["mask"].sum()),
+        vocab=int(vocab_map.numel()),
+    )
+    return draft.cpu(), report
+
+
+# --------------------------------------------------------------------------------------------- caching
+
+
+def eagle_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> Artifact:
+    """EAGLE's draft of (target, recipe, tokenizer, the run's training recipe) as a cached artifact: ``eagle.pt``."""
+    ident = model_fingerprint(target)
+
+    def build(folder: Path) -> dict:
+        draft, report = train_eagle(target, tokenizer, recipe, teacher)
+        torch.save({"hidden": target.config.hidden_size, "state": draft.state_dict()}, folder / "eagle.pt")
+        return report
+
+    def load(folder: Path) -> EagleDraft:
+        blob = torch.load(folder / "eagle.pt", map_location="cpu", weights_only=True)
+        if blob["hidden"] != target.config.hidden_size:
+            raise ValueError(f"its hidden size is {blob['hidden']}, the target's {target.config.hidden_size}")
+        draft = EagleDraft(target.config, blob["state"]["vocab_map"])
+        draft.load_state_dict(blob["state"])
+        return draft.eval()
+
+    key = {"target": ident, "recipe": jsonable(recipe), "teacher": teacher.recipe.budget("eagle"),
+           **tokenizer_key(tokenizer)}
+    return Artifact("eagle", f"eagle-{ident['name']}", key, build, load,
+                    hint="run 'python -m bench train method method=eagle' with the same recipe=",
+                    description="EAGLE draft layer")
+
+
+def load_or_train_eagle(target, tokenizer, recipe: DictConfig, teacher: Teacher,
+                        train_if_missing: bool = True) -> tuple[EagleDraft, dict]:
+    """The cached EAGLE draft for (target, recipe, teacher.recipe), trained first when missing and
+    ``train_if_missing``; returns it (CPU, fp32) and its training report."""
+    art = eagle_artifact(target, tokenizer, recipe, teacher)
+    return load_or_build(art, teacher.cache, train_if_missing), report_of(art, teacher.cache)

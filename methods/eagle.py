@@ -1,0 +1,179 @@
+"""EAGLE-2 (Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees") over
+EAGLE's feature-level draft (:mod:`methods._eagle_draft`).
+
+Each step the draft first reads the target's features of the positions committed since the last step (their
+true values, from the verification forward: the guessed ones are dropped with the rejected proposal), then
+drafts from its own guesses:
+
+- ``draft: tree`` (EAGLE-2's dynamic draft tree): the ``top_k`` best tokens after the pending one open the
+  tree; at each further depth the ``top_k`` nodes of the newest level with the highest *cumulative* draft
+  log-probability (the paper's global acceptance estimate) are expanded, all in one draft forward under a tree
+  attention mask, ``top_k`` children each; finally every drafted node is reranked by that value and the
+  best ``total_tokens - 1`` kept (a child never ranks above its parent, so they form a tree), and the target
+  scores them in ONE forward (:mod:`decoding.tree`). Candidates are the draft's top-k, deterministic, so
+  verification is the shared lossless tree verifier with one-hot q: greedy output equals ``ar``, sampled
+  output follows the target's distribution.
+- ``draft: chain``: ``gamma`` tokens, one per draft forward, greedy or sampled from the draft's distribution
+  and verified by standard speculative sampling (for a CPU, where scoring many tokens at once is not free).
+
+The paper's tree (total_tokens 60, depth 6, top_k 10 on a GPU) costs the target r(60) one-token forwards on
+this CPU; the defaults here are a small tree (README: measured).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+from transformers import DynamicCache
+
+from bench.counting import truncate_cache
+from bench.errors import BenchError
+from bench.registry import register
+from decoding.sampling import probs_from_logits, sample
+from decoding.tree import Tree, additive_mask
+from methods._eagle_draft import CountedEagle, EagleRecipe, load_or_train_eagle
+from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+
+
+class EagleSettings(MethodSettings):
+    """EAGLE-2's settings (``method.*``)."""
+
+    draft: Literal["tree", "chain"] = Field("tree", description="tree: EAGLE-2's dynamic draft tree; chain: "
+                                            "gamma tokens, no tree")
+    total_tokens: int = Field(6, ge=2, description="tree: tokens the target scores per call, the pending one "
+                              "included (the paper: 60 on a GPU)")
+    depth: int = Field(4, ge=1, description="tree: the deepest draft token (the paper: 6)")
+    top_k: int = Field(4, ge=1, description="tree: nodes expanded per depth and children per node (the paper: 10)")
+    gamma: int = Field(3, ge=1, description="chain: tokens drafted per target call")
+    recipe: EagleRecipe = Field(default_factory=EagleRecipe, description="how the draft layer is trained")
+
+
+@register("eagle")
+class Eagle(DraftVerify):
+    lossless = True
+    hidden = True  # the draft reads the target's features
+    Config = EagleSettings
+
+    def __init__(self, cfg, pair):
+        super().__init__(cfg, pair)
+        self.draft: CountedEagle | None = None
+        self.report: dict = {}
+
+    @classmethod
+    def trains(cls, pair_spec) -> bool:
+        return True  # the draft layer
+
+    @classmethod
+    def check_recipe(cls, settings, recipe) -> None:
+        if not recipe.store.hidden:
+            raise BenchError("method=eagle reads the target's hidden states, which recipe.store.hidden=false "
+                             "does not keep.")
+
+    def setup(self, train_if_missing: bool = True) -> None:
+        target = self.pair.target.module
+        draft, self.report = load_or_train_eagle(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher,
+                                                 train_if_missing)
+        self.draft = self.pair.add(CountedEagle(draft.to(device=self.pair.device, dtype=self.pair.dtype)))
+        self.embed = target.get_input_embeddings()
+        self.vocab_map = self.draft.module.vocab_map
+
+    # ------------------------------------------------------------------------------------------- the loop
+
+    def start(self, st: Decoding) -> None:
+        if self.draft is None:
+            self.setup(train_if_missing=False)
+        self.cache = DynamicCache()  # the draft layer's: one entry per committed position it has read
+        self.todo = st.prompt_hidden  # (n, H) the target's features the draft has not read yet
+        self.nodes: list[int] = []
+
+    def read_committed(self, st: Decoding) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed the draft the features it has not read (positions ``read .. len(seq) - 2``, each with the
+        token after it), after dropping its guesses of the last step. Returns the guessed feature at the
+        pending token's position ``(H,)`` and the logits ``(V',)`` of the first draft token."""
+        read = len(st.seq) - 1 - len(self.todo)
+        truncate_cache(self.cache, read)
+        tokens = torch.tensor(st.seq[read + 1 :], device=st.device)
+        out, logits = self.draft(self.todo[None].to(self.pair.dtype), self.embed(tokens)[None], self.cache, rows=1)
+        self.todo, self.read = self.todo[:0], len(st.seq) - 1  # the cache's true entries; guesses follow them
+        return out[0, -1], logits[0, -1]
+
+    def propose(self, st: Decoding) -> Draft:
+        depth = min(self.cfg.gamma if self.cfg.draft == "chain" else self.cfg.depth, st.room)
+        if depth <= 0:
+            return Draft(Tree(st.seq[-1]))
+        feat, logits = self.read_committed(st)
+        if self.cfg.draft == "chain":
+            draft = self.chain(st, feat, logits, depth)
+        else:
+            draft = self.tree(st, feat, logits, depth)
+        self.nodes.append(len(draft.tree))
+        return draft
+
+    def accepted(self, st: Decoding, draft: Draft, path: list[int], hidden: torch.Tensor) -> None:
+        if not st.done:  # the true features of the root and the accepted nodes: read at the next step
+            self.todo = torch.cat([self.todo, hidden])
+
+    def figures(self, st: Decoding) -> dict:
+        return {"draft": self.cfg.draft,
+                "tree_tokens_per_call": sum(self.nodes) / len(self.nodes) if self.nodes else float("nan")}
+
+    # ------------------------------------------------------------------------------------------- drafting
+
+    def chain(self, st: Decoding, feat: torch.Tensor, logits: torch.Tensor, k: int) -> Draft:
+        """``k`` tokens, one draft forward each after the first: greedy, or sampled from the draft's
+        distribution (``q`` then holds it over the full vocabulary, zero outside the draft's)."""
+        tokens, qs = [], []
+        for i in range(k):
+            if st.sampling.greedy:
+                sub = logits.argmax(-1)
+            else:
+                q = probs_from_logits(logits, st.sampling)
+                sub = sample(q, st.generator)
+                qs.append(q.new_zeros(self.pair.target.module.config.vocab_size).index_copy_(0, self.vocab_map, q))
+            tokens.append(self.vocab_map[sub])
+            if i + 1 < k:  # the draft reads its own guess and its token: a plain causal step
+                out, logits = self.draft(feat[None, None], self.embed(tokens[-1])[None, None], self.cache, rows=1)
+                feat, logits = out[0, -1], logits[0, -1]
+        return Draft.chain(st.seq[-1], torch.stack(tokens), torch.stack(qs) if qs else None)
+
+    def tree(self, st: Decoding, feat: torch.Tensor, logits: torch.Tensor, depth: int) -> Draft:
+        """EAGLE-2's expand-and-rerank, ``depth`` levels deep at most (see the module doc)."""
+        k = min(int(self.cfg.top_k), logits.shape[-1])
+        tree = Tree(st.seq[-1])
+        score = [0.0]  # cumulative draft log-probability of each node's path
+        guessed = {0: feat}  # the draft's guessed feature at each expanded node
+        level = self.grow(tree, score, [0], torch.log_softmax(logits.float(), -1)[None], k)
+        read = self.cache.get_seq_length()  # the committed positions; the root's input is the last of them
+        fed: list[int] = []  # tree nodes in the draft cache after them, in order
+        for _ in range(depth - 1):
+            expand = sorted(level, key=lambda v: -score[v])[:k]
+            mask = additive_mask(tree.ancestry()[expand][:, fed + expand], read, self.pair.dtype, st.device)
+            positions = torch.tensor([[read - 1 + tree.depth[v] for v in expand]], device=st.device)
+            feats = torch.stack([guessed[tree.parent[v]] for v in expand])[None]
+            tokens = torch.tensor([tree.tokens[v] for v in expand], device=st.device)
+            out, sub_logits = self.draft(feats, self.embed(tokens)[None], self.cache, rows=len(expand),
+                                         attention_mask=mask, position_ids=positions)
+            fed += expand
+            guessed.update(zip(expand, out[0]))
+            level = self.grow(tree, score, expand, torch.log_softmax(sub_logits[0].float(), -1), k)
+        # Rerank: the best total_tokens - 1 nodes by cumulative log-probability; ties go to the earlier node,
+        # so a parent (never below its child) always comes first and the kept nodes form a tree.
+        best = sorted(range(1, len(tree)), key=lambda v: (-score[v], v))[: int(self.cfg.total_tokens) - 1]
+        out_tree, new = Tree(st.seq[-1]), {0: 0}
+        for v in sorted(best):
+            new[v] = out_tree.add_child(new[tree.parent[v]], tree.tokens[v], merge=False)
+        return Draft(out_tree)
+
+    def grow(self, tree: Tree, score: list[float], parents: list[int], logp: torch.Tensor, k: int) -> list[int]:
+        """Add the ``k`` most likely children of each of ``parents`` (``logp (P, V')``); returns the new nodes."""
+        top = logp.topk(k, dim=-1)
+        ids = self.vocab_map[top.indices].tolist()
+        values = top.values.tolist()
+        level = []
+        for row, parent in enumerate(parents):
+            for tok, lp in zip(ids[row], values[row]):
+                level.append(tree.add_child(parent, tok, merge=False))
+                score.append(score[parent] + lp)
+        return level
