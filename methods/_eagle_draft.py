@@ -126,7 +126,9 @@ def eagle_loss(draft: EagleDraft, batch: dict, embed, recipe) -> torch.Tensor:
     feats = hidden[:, :-1]
     if recipe.noise > 0:
         feats = feats + (torch.rand_like(feats) * 2 - 1) * float(recipe.noise)
-    guess = draft(feats, embed(ids[:, 1:]))  # (B, T - 1, H)
+    with torch.no_grad():  # the target's embedding is frozen: no gradient for it (a vocabulary-sized one)
+        emb = embed(ids[:, 1:])
+    guess = draft(feats, emb)  # (B, T - 1, H)
     true = hidden[:, 1:]
     keep = (mask[:, :-1] & mask[:, 1:]).float()
     reg = nn.functional.smooth_l1_loss(guess, true, reduction="none").mean(-1)

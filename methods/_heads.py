@@ -233,7 +233,8 @@ def head_logits(heads: Heads, k: int, hidden: torch.Tensor, chunks: torch.Tensor
     if heads.kind == "medusa":
         return heads.head(k, h)
     # Teacher forcing: the path tokens after position t are the text's own x_{t+1} .. x_{t+k+1}.
-    emb = torch.stack([embed(chunks[:, 1 + j : T - k + j]) for j in range(k + 1)], dim=-2)
+    with torch.no_grad():  # the target's embedding is frozen: no gradient for it (a vocabulary-sized one)
+        emb = torch.stack([embed(chunks[:, 1 + j : T - k + j]) for j in range(k + 1)], dim=-2)
     return heads.head(k, h, emb)
 
 

@@ -1,6 +1,7 @@
 """EAGLE-2 beyond the registry walk (``tests/test_methods.py`` covers its defaults): the chain mode's lossless
 sampling, the draft cache holding true features only, the dynamic tree's expand-and-rerank, and bad input."""
 
+import copy
 import json
 
 import pytest
@@ -31,10 +32,49 @@ def looping_prompt(tiny_pair):
 @pytest.mark.parametrize("overrides", [{"draft": "chain", "gamma": 4}, {"top_k": 1, "total_tokens": 4},
                                        {"top_k": 3, "depth": 5, "total_tokens": 12}])
 def test_chain_and_other_trees_are_lossless(tiny_pair, looping_prompt, overrides):
+    """Greedy: equal to ar whatever is drafted. Sampling: the chain's tokens are drawn from the draft's own q
+    (speculative sampling), a wider tree's are a deterministic top-k (recursive rejection sampling)."""
     method = build(tiny_pair, "eagle", **overrides)
     assert_greedy_equal_to_ar(method, prompts_for(tiny_pair, 2) + [looping_prompt])
-    if overrides.get("draft") == "chain":  # sampled from the draft's own q, verified by speculative sampling
+    if overrides.get("top_k") != 1:
         assert_sampling_is_the_targets(method, looping_prompt)
+
+
+def test_the_tree_forward_equals_a_plain_pass_along_each_path(tiny_pair, looping_prompt, monkeypatch):
+    """The draft scores a whole level of its tree in one forward (tree mask, positions by depth): each node's
+    distribution equals the one a plain causal pass of the draft along that node's path gives."""
+    method = build(tiny_pair, "eagle", top_k=3, depth=4, total_tokens=7)
+    seen, grow, tree = {}, Eagle.grow, Eagle.tree
+
+    def record_tree(self, st, feat, logits, depth):  # the first step's tree only
+        if not seen:
+            seen.update(cache=copy.deepcopy(self.cache), feat=feat.clone(), levels=[], active=True)
+        draft = tree(self, st, feat, logits, depth)
+        seen["active"] = False
+        return draft
+
+    def record_grow(self, t, score, parents, logp, k):
+        if seen.get("active"):
+            seen["tree"] = t
+            seen["levels"].append((list(parents), logp.clone()))
+        return grow(self, t, score, parents, logp, k)
+
+    monkeypatch.setattr(Eagle, "tree", record_tree)
+    monkeypatch.setattr(Eagle, "grow", record_grow)
+    run(method, looping_prompt, 12)
+    t, checked = seen["tree"], 0
+    with torch.inference_mode():
+        for parents, logp in seen["levels"][1:]:  # level 0 is the catch-up's, read over the committed text
+            for row, v in enumerate(parents):
+                cache, feat = copy.deepcopy(seen["cache"]), seen["feat"]
+                for u in t.path_to(v)[1:]:  # the path's tokens, each with the guess before it, one at a time
+                    out, logits = method.draft(feat[None, None], method.embed(torch.tensor([[t.tokens[u]]])), cache,
+                                               rows=1)
+                    feat = out[0, -1]
+                torch.testing.assert_close(torch.log_softmax(logits[0, -1].float(), -1), logp[row], atol=1e-4,
+                                           rtol=1e-4)
+                checked += 1
+    assert checked == 9  # three levels of three expanded nodes
 
 
 def test_the_draft_cache_holds_the_targets_true_features_only(tiny_pair, looping_prompt):
@@ -83,8 +123,8 @@ def test_the_dynamic_tree_expands_and_reranks_by_cumulative_probability(tiny_pai
             level = [v for v in range(len(t)) if t.parent[v] in before]
             assert sorted(parents) == sorted(sorted(level, key=lambda v: -score[v])[:3])
         best = sorted(range(1, len(t)), key=lambda v: (-score[v], v))[:6]
-        assert len(out) == 7 and sorted(out.tokens[1:]) == sorted(t.tokens[v] for v in best)
-        assert all(t.parent[v] in best or t.parent[v] == 0 for v in best)
+        paths = sorted(tuple(t.tokens[u] for u in t.path_to(v)[1:]) for v in best)  # token paths from the root
+        assert len(out) == 7 and sorted(tuple(out.tokens[u] for u in out.path_to(v)[1:]) for v in range(1, 7)) == paths
 
 
 def test_bad_input_is_one_sentence(compose_cfg, capsys):
