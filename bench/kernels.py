@@ -2,7 +2,8 @@
 
 Why (measured on 2 AMD EPYC cores, AVX-512, fp32, torch 2.13 CPU wheel, SmolLM2-135M's shapes): the
 default BLAS path of ``F.linear`` costs about the same for 1 to 3 rows, then jumps at 4 rows; a 5-token
-target forward cost ~1.7x a one-token one, although the extra arithmetic is a few percent. Verification
+target forward cost ~1.7x a one-token one, although the extra arithmetic is a few percent (and on a later day
+the same machine's 2- and 3-row forwards were the slow ones: 1.5x and 2x). Verification
 blocks (gamma + 1 tokens, trees of candidates) are exactly that size, so the jump is a tax on every
 speculative method that plain decoding never pays. oneDNN's inner product on weights reordered ("packed")
 once, which is what torch inductor's freezing pass uses on CPU, is nearly flat from 1 to 8 rows, but a
@@ -19,8 +20,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# Measured: F.linear's cost jumps between 3 and 4 rows on the machine above (1-3 rows: flat).
-MIN_ROWS = 4
+# Measured: F.linear's cost jumps between 3 and 4 rows on the machine above (1-3 rows: flat) in 2026-11; on
+# 2026-11-24 the same machine's F.linear made 2- and 3-row target forwards cost 1.5x and 2x a one-row one, the
+# packed weights 1.2x and 1.25x (README): packing starts at 2 rows, and one row keeps F.linear either way.
+MIN_ROWS = 2
 
 
 class PackedLinear(nn.Linear):

@@ -47,7 +47,7 @@ class RunSettings(Settings):
     warmup: int = Field(1, ge=0, description="untimed warm-up decodes (per method) before the timed prompts")
     train_if_missing: bool = Field(True, description="train a missing draft / heads / verifier before decoding")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (null: torch's default)")
-    packed_linear: bool = Field(True, description="CPU fp32: forwards of >= 4 rows use oneDNN-packed weights "
+    packed_linear: bool = Field(True, description="CPU fp32: forwards of >= 2 rows use oneDNN-packed weights "
                                 "(bench/kernels.py)")
     resume: str | None = Field(None, min_length=1, description="DIR: write the run (with -m: the sweep) into DIR, "
                                "keep its complete records, decode only the rest")
