@@ -26,7 +26,6 @@ Where this differs from the paper, and why (the README's table says it too):
 
 from __future__ import annotations
 
-import copy
 import math
 from pathlib import Path
 from typing import Literal
@@ -44,11 +43,10 @@ from bench.artifacts import (
     report_of,
 )
 from bench.counting import Counted
-from bench.errors import BenchError
 from decoding.distill import store_data, store_vocab
 from decoding.teacher import Teacher, tokenizer_key
 from decoding.training import TrainRecipe, fit
-from methods._heads import copy_last_layer, one_layer_config
+from methods._heads import copy_last_layer, feature_stores, fp32_eval, one_layer_config
 
 
 class EagleRecipe(TrainRecipe):
@@ -82,7 +80,7 @@ class EagleDraft(nn.Module):
         self.register_buffer("vocab_map", vocab_map.long(), persistent=True)
 
     @classmethod
-    def from_target(cls, target, vocab_map: torch.Tensor, init: str = "target") -> EagleDraft:
+    def from_target(cls, target, vocab_map: torch.Tensor, init: str = "random") -> EagleDraft:
         draft = cls(target.config, vocab_map)
         if init == "target":
             copy_last_layer(draft.body, target)
@@ -160,14 +158,9 @@ def train_eagle(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
     CPU, fp32) and a report (held-out depth-1 agreement before and after, on all text and on the target's own
     answers)."""
     torch.manual_seed(int(recipe.seed))
-    if next(target.parameters()).dtype != torch.float32:
-        target = copy.deepcopy(target).float()  # train in fp32 without changing the pair's target
-    target = target.eval()
+    target = fp32_eval(target)
     device = next(target.parameters()).device
-    if not teacher.recipe.store.hidden:
-        raise BenchError("EAGLE reads the target's hidden states, which this store does not keep; set "
-                         "recipe.store.hidden=true.")
-    train, held = teacher.store(target, tokenizer, "train"), teacher.store(target, tokenizer, "test")
+    train, held = feature_stores(target, tokenizer, teacher, "EAGLE reads")
     cols = store_data(train, ("ids", "idx", "mask"))
     vocab_map = store_vocab(tokenizer, cols, int(recipe.vocab), target.config.vocab_size)
     draft = EagleDraft.from_target(target, vocab_map, str(recipe.init)).to(device)

@@ -226,6 +226,22 @@ class CountedPrefix(Counted):
 # --------------------------------------------------------------------------------------------- training
 
 
+def fp32_eval(target):
+    """The frozen target to train from, in fp32 (a copy when it is not, so the pair's target is unchanged)."""
+    if next(target.parameters()).dtype != torch.float32:
+        target = copy.deepcopy(target).float()
+    return target.eval()
+
+
+def feature_stores(target, tokenizer, teacher: Teacher, who: str):
+    """The run's train and held-out teacher stores for a trainer that reads the stored hidden states (heads,
+    EAGLE's draft layer); ``who`` starts the sentence that says so when the store keeps none."""
+    if not teacher.recipe.store.hidden:
+        raise BenchError(f"{who} the target's hidden states, which this store does not keep; set "
+                         "recipe.store.hidden=true.")
+    return teacher.store(target, tokenizer, "train"), teacher.store(target, tokenizer, "test")
+
+
 def head_logits(heads: Heads, k: int, hidden: torch.Tensor, chunks: torch.Tensor, embed) -> torch.Tensor:
     """Head k at every position t that has a label (t + k + 1 < T): ``(B, T - k - 1, V')``."""
     T = hidden.shape[1]
@@ -292,19 +308,14 @@ def train_heads(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teach
     the frozen target: its stored hidden states are the heads' input, its labels their targets. Returns them
     (on the CPU) and a report."""
     torch.manual_seed(int(recipe.seed))
-    if next(target.parameters()).dtype != torch.float32:
-        target = copy.deepcopy(target).float()  # train in fp32 without changing the pair's target
-    target = target.eval()
+    target = fp32_eval(target)
     device = next(target.parameters()).device
     embed = target.get_input_embeddings()
     K, bs = int(recipe.num_heads), int(recipe.batch_size)
     settings = teacher.recipe.store
-    if not settings.hidden:
-        raise BenchError("heads read the target's hidden states, which this store does not keep; set "
-                         "recipe.store.hidden=true.")
     if settings.seq_len <= K + 1:  # also checked with the config (TreeHeadsMethod.check_recipe)
         raise BenchError(f"recipe.store.seq_len ({settings.seq_len}) must exceed method.recipe.num_heads + 1 ({K + 1}).")
-    train, held = teacher.store(target, tokenizer, "train"), teacher.store(target, tokenizer, "test")
+    train, held = feature_stores(target, tokenizer, teacher, "heads read")
     cols = store_data(train, ("ids", "idx", "mask"))
     m = cols["mask"]
     vocab_map = store_vocab(tokenizer, cols, int(recipe.vocab), target.config.vocab_size)

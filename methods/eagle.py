@@ -145,7 +145,7 @@ class Eagle(DraftVerify):
         score = [0.0]  # cumulative draft log-probability of each node's path
         guessed = {0: feat}  # the draft's guessed feature at each expanded node
         level = self.grow(tree, score, [0], torch.log_softmax(logits.float(), -1)[None], k)
-        read = self.cache.get_seq_length()  # the committed positions; the root's input is the last of them
+        read = self.read  # the committed positions in the draft cache; the root's input is the last of them
         fed: list[int] = []  # tree nodes in the draft cache after them, in order
         for _ in range(depth - 1):
             expand = sorted(level, key=lambda v: -score[v])[:k]
