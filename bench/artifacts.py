@@ -51,6 +51,14 @@ def jsonable(x):
     return x
 
 
+def recipe_key(recipe, **added) -> dict:
+    """A trainer's recipe as part of an artifact key, leaving out the settings named in ``added`` while they
+    hold the given value (the one that trains as before they existed), so parts cached before a setting was
+    added keep their key; set to anything else, the setting is keyed."""
+    key = jsonable(recipe)
+    return {k: v for k, v in key.items() if not (k in added and v == added[k])}
+
+
 def content_key(*parts) -> str:
     """A short stable hash (12 hex digits) of JSON-able parts: an artifact is keyed by what produced it."""
     blob = json.dumps([jsonable(p) for p in parts], sort_keys=True, default=str)

@@ -66,16 +66,18 @@ def load(paths: list[str], baseline: str | None = None) -> tuple[pd.DataFrame, l
 
 
 def labels(df: pd.DataFrame) -> pd.Series:
-    """A row label per record: the method's name, the training recipe behind a trained method, then whichever
-    of its settings (and of temperature, top_p, max_new_tokens) vary across the loaded records, e.g.
-    ``sd (recipe=quick, gamma=2, temperature=0.7)``."""
+    """A row label per record: the method's name, the training recipe behind a trained method, the settings the
+    method always names (koala's base), then whichever of its settings (and of temperature, top_p,
+    max_new_tokens) vary across the loaded records, e.g. ``sd (recipe=quick, gamma=2, temperature=0.7)``."""
     cfg_json = df["method_cfg"].map(lambda c: json.dumps(c, sort_keys=True))
     varying_global = [k for k in SAMPLING_KEYS if k in df and df[k].nunique(dropna=False) > 1]
     varying_cfg: dict[str, list[str]] = {}
     for method, group in df.groupby("method"):
         cfgs = [json.loads(s) for s in cfg_json[group.index].unique()]
         keys = sorted({k for c in cfgs for k in c if k != "name"})
-        varying_cfg[method] = [k for k in keys if len({json.dumps(c.get(k), sort_keys=True) for c in cfgs}) > 1]
+        shown = named_settings(method)  # what the method's rows always say (koala: its base)
+        varying_cfg[method] = shown + [k for k in keys if k not in shown
+                                       and len({json.dumps(c.get(k), sort_keys=True) for c in cfgs}) > 1]
 
     def label(i) -> str:
         r = df.loc[i]
@@ -86,6 +88,17 @@ def labels(df: pd.DataFrame) -> pd.Series:
         return f"{r['method']} ({', '.join(parts)})" if parts else str(r["method"])
 
     return pd.Series([label(i) for i in df.index], index=df.index)
+
+
+def named_settings(method: str) -> list[str]:
+    """The settings a registered method's labels always show (``Method.label_settings``); none for a name
+    this harness does not register (records read from elsewhere)."""
+    from bench.registry import get_method
+
+    try:
+        return list(get_method(method).label_settings)
+    except BenchError:
+        return []
 
 
 def baseline_measurements(df: pd.DataFrame) -> pd.DataFrame:

@@ -37,16 +37,17 @@ from torch import nn
 
 from bench.artifacts import (
     Artifact,
-    jsonable,
     load_or_build,
     model_fingerprint,
+    recipe_key,
     report_of,
 )
 from bench.counting import Counted
 from decoding.distill import store_data, store_vocab
 from decoding.teacher import Teacher, tokenizer_key
 from decoding.training import TrainRecipe, fit
-from methods._heads import copy_last_layer, feature_stores, fp32_eval, one_layer_config
+from methods._adversarial import Adversary, AdversaryRecipe
+from methods._heads import body_config, copy_last_layers, feature_stores, fp32_eval
 
 
 class EagleRecipe(TrainRecipe):
@@ -62,28 +63,32 @@ class EagleRecipe(TrainRecipe):
     noise: float = Field(0.1, ge=0, description="uniform noise U(-noise, noise) on the input features")
     init: Literal["random", "target"] = Field("random", description="the decoder layer starts from random "
                                               "weights (the paper), or from the target's last layer")
+    layers: int = Field(1, ge=1, description="decoder layers of the draft (EAGLE: 1; KOALA: K)")
+    adversarial: AdversaryRecipe | None = Field(None, description="KOALA's adversarial learning beside the "
+                                                "supervised loss (koala's default; null: none)")
 
 
 class EagleDraft(nn.Module):
-    """``fc`` (2H -> H), one decoder layer ``body`` (the target's class; its final norm included) and the
-    frozen ``head`` (the target's output rows of ``vocab_map``, ``LongTensor (V',)`` of full-vocabulary ids)."""
+    """``fc`` (2H -> H), a ``body`` of ``layers`` decoder layers (the target's class; its final norm included;
+    EAGLE's is one, KOALA's K) and the frozen ``head`` (the target's output rows of ``vocab_map``,
+    ``LongTensor (V',)`` of full-vocabulary ids)."""
 
-    def __init__(self, target_config, vocab_map: torch.Tensor):
+    def __init__(self, target_config, vocab_map: torch.Tensor, layers: int = 1):
         super().__init__()
         from transformers import AutoModel
 
         hidden = target_config.hidden_size
-        self.config = one_layer_config(target_config)
+        self.config = body_config(target_config, layers)
         self.fc = nn.Linear(2 * hidden, hidden)
         self.body = AutoModel.from_config(self.config).float()
         self.head = nn.Linear(hidden, vocab_map.numel(), bias=False).requires_grad_(False)
         self.register_buffer("vocab_map", vocab_map.long(), persistent=True)
 
     @classmethod
-    def from_target(cls, target, vocab_map: torch.Tensor, init: str = "random") -> EagleDraft:
-        draft = cls(target.config, vocab_map)
+    def from_target(cls, target, vocab_map: torch.Tensor, init: str = "random", layers: int = 1) -> EagleDraft:
+        draft = cls(target.config, vocab_map, layers)
         if init == "target":
-            copy_last_layer(draft.body, target)
+            copy_last_layers(draft.body, target)
         draft.head.weight.data.copy_(target.get_output_embeddings().weight.data[vocab_map.to(target.device)].cpu())
         return draft
 
@@ -117,9 +122,10 @@ class CountedEagle(Counted):
 # --------------------------------------------------------------------------------------------- training
 
 
-def eagle_loss(draft: EagleDraft, batch: dict, embed, recipe) -> torch.Tensor:
+def eagle_loss(draft: EagleDraft, batch: dict, embed, recipe, adversary: Adversary | None = None) -> torch.Tensor:
     """EAGLE's loss over a store batch (``ids (B, T)``, ``mask (B, T)``, ``hidden (B, T, H)``): at every position t
-    where t and t + 1 are text, the guess of f_{t+1} from (f_t + noise, x_{t+1})."""
+    where t and t + 1 are text, the guess of f_{t+1} from (f_t + noise, x_{t+1}); with an ``adversary``
+    (KOALA), plus its term on the draft's next-token distribution (the target's being real)."""
     hidden, ids, mask = batch["hidden"].float(), batch["ids"], batch["mask"]
     feats = hidden[:, :-1]
     if recipe.noise > 0:
@@ -132,9 +138,13 @@ def eagle_loss(draft: EagleDraft, batch: dict, embed, recipe) -> torch.Tensor:
     reg = nn.functional.smooth_l1_loss(guess, true, reduction="none").mean(-1)
     with torch.no_grad():
         p = torch.softmax(draft.head(true), -1)
-    ce = -(p * torch.log_softmax(draft.head(guess), -1)).sum(-1)
+    logq = torch.log_softmax(draft.head(guess), -1)
+    ce = -(p * logq).sum(-1)
     per_pos = float(recipe.v_weight) * reg + float(recipe.p_weight) * ce
-    return (per_pos * keep).sum() / keep.sum().clamp_min(1)
+    loss = (per_pos * keep).sum() / keep.sum().clamp_min(1)
+    if adversary is not None:
+        loss = loss + adversary.term(logq, lambda rows: p[rows], keep.bool())
+    return loss
 
 
 @torch.no_grad()
@@ -163,7 +173,10 @@ def train_eagle(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
     train, held = feature_stores(target, tokenizer, teacher, "EAGLE reads")
     cols = store_data(train, ("ids", "idx", "mask"))
     vocab_map = store_vocab(tokenizer, cols, int(recipe.vocab), target.config.vocab_size)
-    draft = EagleDraft.from_target(target, vocab_map, str(recipe.init)).to(device)
+    layers = int(recipe.get("layers", 1))
+    draft = EagleDraft.from_target(target, vocab_map, str(recipe.init), layers).to(device)
+    adversarial = recipe.get("adversarial")
+    adversary = Adversary(len(vocab_map), AdversaryRecipe(**adversarial), device) if adversarial else None
     embed = target.get_input_embeddings()
     bs = int(recipe.batch_size)
     answers = [i for i in range(len(held)) if held.kind(i) == "answers"]
@@ -173,15 +186,19 @@ def train_eagle(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
 
     def step(rows: torch.Tensor) -> torch.Tensor:
         batch = {n: t.to(device) for n, t in train.rows(rows, ("ids", "mask", "hidden")).items()}
-        return eagle_loss(draft, batch, embed, recipe)
+        return eagle_loss(draft, batch, embed, recipe, adversary)
 
+    what = "the draft layer" if layers == 1 else f"the draft's {layers} layers"
     fit(params, lambda: torch.randperm(len(train)).split(bs), step, epochs=int(teacher.recipe.eagle_epochs),
-        steps_per_epoch=math.ceil(len(train) / bs), lr=float(recipe.lr), desc="eagle: training the draft layer")
+        steps_per_epoch=math.ceil(len(train) / bs), lr=float(recipe.lr),
+        desc=f"eagle: training {what}" + (" against a discriminator" if adversary is not None else ""))
     draft.eval()
     report.update(
         agreement_after=eagle_agreement(draft, held, embed, bs, device=device),
         # On the target's own held-out answers: the kind of text a greedy decode drafts for.
         answer_agreement=eagle_agreement(draft, held, embed, bs, answers, device) if answers else None,
+        layers=layers,
+        **(adversary.report() if adversary is not None else {}),
         recipe=teacher.recipe.name,
         train_tokens=int(cols["mask"].sum()),
         vocab=int(vocab_map.numel()),
@@ -192,33 +209,36 @@ def train_eagle(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
 # --------------------------------------------------------------------------------------------- caching
 
 
-def eagle_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> Artifact:
-    """EAGLE's draft of (target, recipe, tokenizer, the run's training recipe) as a cached artifact: ``eagle.pt``."""
+def eagle_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher, method: str = "eagle") -> Artifact:
+    """EAGLE's draft of (target, recipe, tokenizer, the run's training recipe) as a cached artifact: ``eagle.pt``.
+    ``method``: what the hint to train it names (``koala method.base=eagle`` trains a KOALA draft here too)."""
     ident = model_fingerprint(target)
 
     def build(folder: Path) -> dict:
         draft, report = train_eagle(target, tokenizer, recipe, teacher)
-        torch.save({"hidden": target.config.hidden_size, "state": draft.state_dict()}, folder / "eagle.pt")
+        torch.save({"hidden": target.config.hidden_size, "layers": draft.config.num_hidden_layers,
+                    "state": draft.state_dict()}, folder / "eagle.pt")
         return report
 
     def load(folder: Path) -> EagleDraft:
         blob = torch.load(folder / "eagle.pt", map_location="cpu", weights_only=True)
         if blob["hidden"] != target.config.hidden_size:
             raise ValueError(f"its hidden size is {blob['hidden']}, the target's {target.config.hidden_size}")
-        draft = EagleDraft(target.config, blob["state"]["vocab_map"])
+        draft = EagleDraft(target.config, blob["state"]["vocab_map"], blob.get("layers", 1))
         draft.load_state_dict(blob["state"])
         return draft.eval()
 
-    key = {"target": ident, "recipe": jsonable(recipe), "teacher": teacher.recipe.budget("eagle"),
+    key = {"target": ident, "recipe": recipe_key(recipe, layers=1, adversarial=None),
+           "teacher": teacher.recipe.budget("eagle"),
            **tokenizer_key(tokenizer)}
     return Artifact("eagle", f"eagle-{ident['name']}", key, build, load,
-                    hint="run 'python -m bench train method method=eagle' with the same recipe=",
-                    description="EAGLE draft layer")
+                    hint=f"run 'python -m bench train method method={method}' with the same recipe=",
+                    description="EAGLE draft layer" if int(recipe.get("layers", 1)) == 1 else "EAGLE draft")
 
 
-def load_or_train_eagle(target, tokenizer, recipe: DictConfig, teacher: Teacher,
-                        train_if_missing: bool = True) -> tuple[EagleDraft, dict]:
+def load_or_train_eagle(target, tokenizer, recipe: DictConfig, teacher: Teacher, train_if_missing: bool = True,
+                        method: str = "eagle") -> tuple[EagleDraft, dict]:
     """The cached EAGLE draft for (target, recipe, teacher.recipe), trained first when missing and
     ``train_if_missing``; returns it (CPU, fp32) and its training report."""
-    art = eagle_artifact(target, tokenizer, recipe, teacher)
+    art = eagle_artifact(target, tokenizer, recipe, teacher, method)
     return load_or_build(art, teacher.cache, train_if_missing), report_of(art, teacher.cache)

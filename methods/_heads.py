@@ -40,9 +40,9 @@ from torch import nn
 
 from bench.artifacts import (
     Artifact,
-    jsonable,
     load_or_build,
     model_fingerprint,
+    recipe_key,
     report_of,
 )
 from bench.counting import Counted, CountedModule
@@ -50,6 +50,7 @@ from bench.errors import BenchError
 from decoding.distill import store_data, store_vocab, sub_index
 from decoding.teacher import Teacher
 from decoding.training import TrainRecipe, fit
+from methods._adversarial import Adversary, AdversaryRecipe
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ class HeadsRecipe(TrainRecipe):
                          "and matter less)")
     prefix_layer: bool = Field(False, description="Hydra++'s prefix attention layer feeds the heads "
                                "(hydra_pp's default)")
+    adversarial: AdversaryRecipe | None = Field(None, description="KOALA's adversarial learning beside the "
+                                                "supervised loss (koala's default; null: none)")
 
 
 class ResBlock(nn.Module):
@@ -145,14 +148,14 @@ class CountedHeads(CountedModule):
         return self.module(hidden, path_emb)
 
 
-def one_layer_config(target_config):
-    """The target's config cut to one decoder layer (its last), with a one-row token embedding: a one-layer
-    body (Hydra++'s prefix layer, EAGLE's draft) is fed vectors, never token ids, so a vocabulary-sized table
-    would be dead weight."""
+def body_config(target_config, layers: int = 1):
+    """The target's config cut to ``layers`` decoder layers (of its last layer's kind), with a one-row token
+    embedding: such a body (Hydra++'s prefix layer, EAGLE's and KOALA's drafts) is fed vectors, never token
+    ids, so a vocabulary-sized table would be dead weight."""
     config = target_config.__class__.from_dict(target_config.to_dict())
-    config.num_hidden_layers = 1
-    if getattr(config, "layer_types", None) is not None:  # per-layer lists shrink with the layer count
-        config.layer_types = [config.layer_types[-1]]
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None) is not None:  # per-layer lists follow the layer count
+        config.layer_types = [config.layer_types[-1]] * layers
     config.vocab_size = 1
     config.pad_token_id = config.bos_token_id = config.eos_token_id = None  # ids outside a 1-row table
     config._attn_implementation = target_config._attn_implementation
@@ -164,12 +167,15 @@ def _layer_list(body: nn.Module) -> tuple[str, nn.ModuleList]:
     return next((name, m) for name, m in body.named_children() if isinstance(m, nn.ModuleList))
 
 
-def copy_last_layer(body: nn.Module, target) -> None:
-    """Load the target's last decoder layer into ``body``'s one layer (a model built from :func:`one_layer_config`),
-    and whatever else has the same name and shape (the final norm, GPT-2's position table)."""
+def copy_last_layers(body: nn.Module, target) -> None:
+    """Load the target's last decoder layers into ``body``'s (a model built from :func:`body_config`: its one
+    layer gets the target's last, K layers the last K in order), and whatever else has the same name and shape
+    (the final norm, GPT-2's position table)."""
     src = target.base_model
     name, mine = _layer_list(body)
-    mine[0].load_state_dict(_layer_list(src)[1][-1].state_dict())
+    theirs_layers = _layer_list(src)[1]
+    for i, layer in enumerate(mine):
+        layer.load_state_dict(theirs_layers[len(theirs_layers) - len(mine) + i].state_dict())
     theirs = src.state_dict()
     with torch.no_grad():
         for key, value in body.state_dict().items():
@@ -190,14 +196,14 @@ class PrefixLayer(nn.Module):
         super().__init__()
         from transformers import AutoModel
 
-        self.config = one_layer_config(target_config)
+        self.config = body_config(target_config)
         self.body = AutoModel.from_config(self.config).float()
         self.gamma = nn.Parameter(torch.zeros(self.config.hidden_size))
 
     @classmethod
     def from_target(cls, target) -> PrefixLayer:
         layer = cls(target.config)
-        copy_last_layer(layer.body, target)
+        copy_last_layers(layer.body, target)
         return layer
 
     def forward(self, hidden: torch.Tensor, cache=None) -> torch.Tensor:
@@ -255,7 +261,7 @@ def head_logits(heads: Heads, k: int, hidden: torch.Tensor, chunks: torch.Tensor
 
 
 def heads_loss(heads: Heads, batch: dict, to_sub, loss: str, embed, decay: float, prefix: PrefixLayer | None = None,
-               teacher_head: nn.Linear | None = None) -> torch.Tensor:
+               teacher_head: nn.Linear | None = None, adversary: Adversary | None = None) -> torch.Tensor:
     """Sum over heads of ``decay**k`` times head k's cross-entropy against the target at position t + k + 1,
     restricted to the reduced vocabulary, over positions where both t and t + k + 1 are text (not padding).
 
@@ -272,15 +278,21 @@ def heads_loss(heads: Heads, batch: dict, to_sub, loss: str, embed, decay: float
     for k in range(heads.num_heads):
         logq = torch.log_softmax(head_logits(heads, k, inputs, ids, embed).float(), -1)
         keep = mask[:, : T - k - 1] & mask[:, k + 1 :]
+        later = hidden[:, k + 1 :]  # the target's hidden state where head k's label is its next token
+
+        def target_probs(rows=(slice(None),)) -> torch.Tensor:
+            with torch.no_grad():
+                return torch.softmax(teacher_head(later[rows]).float(), -1)
+
         if loss == "top1":
             label = to_sub[batch["idx"][:, k + 1 :, 0]]  # -1 outside the reduced vocabulary
             keep = keep & (label >= 0)
             ce = -logq.gather(-1, label.clamp_min(0).unsqueeze(-1)).squeeze(-1)
         else:
-            with torch.no_grad():
-                p = torch.softmax(teacher_head(hidden[:, k + 1 :]).float(), -1)
-            ce = -(p * logq).sum(-1)
+            ce = -(target_probs() * logq).sum(-1)
         total = total + decay**k * (ce * keep).sum() / keep.sum().clamp_min(1)
+        if adversary is not None:  # the target's distributions at the positions it draws are the real ones
+            total = total + decay**k * adversary.term(logq, target_probs, keep)
     return total
 
 
@@ -326,7 +338,9 @@ def train_heads(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teach
     for proj in heads.proj:
         proj.weight.data.copy_(out_rows)
     teacher_head = None
-    if recipe.loss == "teacher":  # the target's own output rows over the heads' vocabulary, frozen
+    adversarial = recipe.get("adversarial")
+    adversary = Adversary(len(vocab_map), AdversaryRecipe(**adversarial), device) if adversarial else None
+    if recipe.loss == "teacher" or adversary is not None:  # the target's own output rows over the heads' vocabulary, frozen
         teacher_head = nn.Linear(target.config.hidden_size, len(vocab_map), bias=False).to(device).requires_grad_(False)
         teacher_head.weight.data.copy_(out_rows)
     prefix = PrefixLayer.from_target(target).to(device) if recipe.get("prefix_layer", False) else None
@@ -338,11 +352,12 @@ def train_heads(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teach
 
     def step(rows: torch.Tensor) -> torch.Tensor:
         batch = {n: t.to(device) for n, t in train.rows(rows, ("ids", "idx", "mask", "hidden")).items()}
-        return heads_loss(heads, batch, to_sub, recipe.loss, embed, float(recipe.decay), prefix, teacher_head)
+        return heads_loss(heads, batch, to_sub, recipe.loss, embed, float(recipe.decay), prefix, teacher_head, adversary)
 
     fit(params, lambda: torch.randperm(len(train)).split(bs), step, epochs=int(teacher.recipe.heads_epochs),
         steps_per_epoch=math.ceil(len(train) / bs), lr=float(recipe.lr),
-        desc=f"{kind}: training {K} heads" + (" and the prefix layer" if prefix is not None else ""))
+        desc=f"{kind}: training {K} heads" + (" and the prefix layer" if prefix is not None else "")
+        + (" against a discriminator" if adversary is not None else ""))
     for mod in modules:
         mod.eval()
     held_top1 = held.rows(range(len(held)), ("idx", "mask"))
@@ -351,6 +366,7 @@ def train_heads(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teach
         agreement_after=head_agreement(heads, held, embed, bs, prefix, device),
         prefix_layer=prefix is not None,
         layers=heads.layers,
+        **(adversary.report() if adversary is not None else {}),
         recipe=teacher.recipe.name,
         train_tokens=int(m.sum()),
         heldout_tokens=int(held_top1["mask"].sum()),
@@ -370,7 +386,7 @@ def heads_artifact(target, tokenizer, kind: str, recipe: DictConfig, teacher: Te
     ``prefix_layer`` is keyed as a bool (absent = false), so a cached file always has the prefix layer its
     recipe asks for; loading checks it anyway, since a mismatch would decode with the wrong heads' input.
     """
-    keyed = {**jsonable(recipe), "prefix_layer": bool(recipe.get("prefix_layer", False))}
+    keyed = {**recipe_key(recipe, adversarial=None), "prefix_layer": bool(recipe.get("prefix_layer", False))}
     ident = model_fingerprint(target)
 
     def build(folder: Path) -> dict:

@@ -69,6 +69,7 @@ class Method:
     lossless: bool = True
     drafts: int = 0
     Config: type[MethodSettings] = MethodSettings  # its settings: types, ranges, defaults, meanings
+    label_settings: tuple[str, ...] = ()  # settings its rows in tables always name (beside those that vary)
 
     def __init__(self, cfg: DictConfig | dict, pair: Pair):
         self.cfg = self.settings(cfg)  # validated, defaults filled in: the same checks as the command line

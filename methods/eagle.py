@@ -68,13 +68,13 @@ class Eagle(DraftVerify):
     @classmethod
     def check_recipe(cls, settings, recipe) -> None:
         if not recipe.store.hidden:
-            raise BenchError("method=eagle reads the target's hidden states, which recipe.store.hidden=false "
+            raise BenchError(f"method={cls.name} reads the target's hidden states, which recipe.store.hidden=false "
                              "does not keep.")
 
     def setup(self, train_if_missing: bool = True) -> None:
         target = self.pair.target.module
         draft, self.report = load_or_train_eagle(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher,
-                                                 train_if_missing)
+                                                 train_if_missing, self.name)
         self.draft = self.pair.add(CountedEagle(draft.to(device=self.pair.device, dtype=self.pair.dtype)))
         self.embed = target.get_input_embeddings()
         self.vocab_map = self.draft.module.vocab_map

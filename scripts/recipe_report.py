@@ -2,7 +2,8 @@
 
   python -m bench train all recipe=full                       # train everything first (this script never trains)
   python -m bench run -m method=sd,medusa,hydra,hydra_pp,sprinter,eagle recipe=full
-  python scripts/recipe_report.py recipe=full [--sweep results/sweeps/<date>/<time>] [--out DIR] [overrides]
+  python -m bench run -m method=koala method.base=medusa,eagle recipe=full
+  python scripts/recipe_report.py recipe=full [--sweep DIR [--sweep DIR2]] [--out DIR] [overrides]
 
 Reads the cached training reports of every trained part under the recipe (``train_if_missing`` is off: a part
 that is not trained is one sentence saying how to train it) and prints them against issue 12's targets:
@@ -14,6 +15,8 @@ that is not trained is one sentence saying how to train it) and prints them agai
 - the SPRINTER verifier: held-out ROC-AUC, precision and recall on on-policy labels;
 - EAGLE's draft layer: held-out agreement of its first draft token, on all text and on the target's answers
   (issue 13); with ``--sweep``, whether eagle beats ar (the target: >= 1.0x);
+- KOALA over each base (issue 13): the K-layer head's held-out agreement beside its base's and how well its
+  discriminator told them apart; with ``--sweep``, whether koala accepts more per target call than its base;
 - with ``--sweep DIR``: the sweep's summary (speedup against ar, mean accepted tokens per target call, α) per method.
 
 Each target is printed as met or not met, with the figure: a report, not an assertion. Writes
@@ -46,8 +49,8 @@ HEADS = ("medusa", "hydra", "hydra_pp")
 
 
 def trained_reports(cfg) -> dict:
-    """The training report of the pair's first distilled draft, of each heads method, of the verifier and of
-    EAGLE's draft layer."""
+    """The training report of the pair's first distilled draft, of each heads method, of the verifier, of
+    EAGLE's draft layer and of KOALA's heads over each base (``koala/medusa``, ``koala/eagle``)."""
     pair = load_pair(cfg, train_if_missing=False, n_drafts=1)
     specs = [s for s in cfg.pair.get("drafts") or [] if s.source == "distilled"]
     out = {"draft": draft_report(pair.target.module, pair.tokenizer, specs[0].recipe, pair.teacher) if specs else {}}
@@ -55,6 +58,10 @@ def trained_reports(cfg) -> dict:
         method = get_method(name)(get_method(name).settings({}), pair)
         method.setup(train_if_missing=False)
         out[name] = method.report
+    for base in ("medusa", "eagle"):
+        method = get_method("koala")(get_method("koala").settings({"base": base}), pair)
+        method.setup(train_if_missing=False)
+        out[f"koala/{base}"] = method.report
     return out
 
 
@@ -79,19 +86,37 @@ def targets(reports: dict, decoding: dict) -> list[dict]:
     eagle = decoding.get("eagle", {}).get("speedup_median")
     rows.append({"target": "eagle >= 1.0x ar while decoding (issue 13)", "measured": eagle,
                  "met": None if eagle is None else eagle >= 1.0})
+    for base in ("medusa", "eagle"):
+        mine, theirs = (decoding.get(k, {}).get("mean_accepted") for k in (f"koala/{base}", base))
+        rows.append({"target": f"koala (base={base}) accepts more per target call than {base} (issue 13)",
+                     "measured": f"{mine} vs {theirs}", "met": None if mine is None or theirs is None else mine > theirs})
     return rows
 
 
-def sweep_summary(sweep: Path) -> dict:
-    """Per method of a sweep: paired speedup against ar, mean accepted tokens per call and α (bench.summary)."""
-    table = summary.run_summary(sweep)
+def sweep_summary(sweeps: list[Path]) -> dict:
+    """Per method of the sweeps (koala per base: ``koala/medusa``): paired speedup against ar, mean accepted
+    tokens per call and α (bench.summary)."""
     keep = ["label", "speedup_median", "speedup_lo", "speedup_hi", "mean_accepted", "alpha", "matches_baseline"]
-    return {row["method"]: {k: row.get(k) for k in keep} for row in summary.as_rows(table) if row["method"] != "ar"}
+    out = {}
+    for sweep in sweeps:
+        for row in summary.as_rows(summary.run_summary(sweep)):
+            if row["method"] == "koala":  # its label names its base: "koala (recipe=full, base=medusa)"
+                out[f"koala/{'medusa' if 'base=medusa' in row['label'] else 'eagle'}"] = {k: row.get(k) for k in keep}
+            elif row["method"] != "ar":
+                out[row["method"]] = {k: row.get(k) for k in keep}
+    return out
+
+
+def koala_vs_base(reports: dict, base: str) -> list:
+    """KOALA's held-out agreement over ``base`` and the base's own: per head for medusa, the first draft token's
+    for eagle."""
+    return [reports[f"koala/{base}"].get("agreement_after"), reports[base].get("agreement_after")]
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sweep", type=Path, help="a sweep (or run) directory of the trained methods under this recipe")
+    ap.add_argument("--sweep", type=Path, action="append", help="a sweep (or run) directory of the trained methods "
+                    "under this recipe (repeat for several)")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "recipe_report")
     args, overrides = ap.parse_known_args(argv)
     try:
@@ -115,6 +140,9 @@ def main(argv: list[str]) -> int:
     e = reports["eagle"]
     print(f"\nEAGLE draft layer: held-out depth-1 agreement {e.get('agreement_before')} -> {e.get('agreement_after')}, "
           f"on target answers {e.get('answer_agreement')}, {e.get('train_tokens')} tokens")
+    koala = [[f"koala/{b}", reports[f"koala/{b}"].get("layers"), reports[f"koala/{b}"].get("discriminator_auc_mean"),
+              *koala_vs_base(reports, b)] for b in ("medusa", "eagle")]
+    print("\n" + tabulate(koala, headers=["KOALA", "K", "discriminator AUC", "held-out agreement", "its base's"]))
     if decoding:
         print("\n" + tabulate([{"method": m, **r} for m, r in decoding.items()], headers="keys", floatfmt=".3f"))
     rows = targets(reports, decoding)
@@ -122,7 +150,7 @@ def main(argv: list[str]) -> int:
     out = args.out / f"{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out, {"recipe": cfg.recipe.name, "reports": reports, "decoding": decoding, "targets": rows,
-                            "sweep": str(args.sweep) if args.sweep else None, "provenance": provenance(cfg, resolve_device(cfg.device))})
+                            "sweep": [str(s) for s in args.sweep or []], "provenance": provenance(cfg, resolve_device(cfg.device))})
     print(json.dumps({"written": str(out)}))
     return 0
 

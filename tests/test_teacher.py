@@ -162,8 +162,12 @@ def test_every_trainer_reads_the_store_and_labels_nothing_itself(compose_cfg, tm
         method = get_method(name)(get_method(name).settings({"recipe": {"vocab": 64}} if name != "sprinter" else {}), pair)
         method.setup()
         reports[name] = method.report["recipe"]
+    for base in ("medusa", "eagle"):  # KOALA's K-layer heads, trained against a discriminator
+        method = get_method("koala")(get_method("koala").settings({"base": base, base: {"recipe": {"vocab": 64}}}), pair)
+        method.setup()
+        reports[f"koala/{base}"] = method.report["recipe"]
     assert reports == {"draft": True, "medusa": "smoke", "hydra": "smoke", "hydra_pp": "smoke", "sprinter": "smoke",
-                       "eagle": "smoke"}
+                       "eagle": "smoke", "koala/medusa": "smoke", "koala/eagle": "smoke"}
 
 
 def test_a_truncated_shard_is_rebuilt_and_a_foreign_one_refused(tiny_pair, tmp_path, counted_labels):
