@@ -224,10 +224,15 @@ def train_main(args: list[str]) -> int:
         if method_cls.drafts and not pair.drafts:  # as Method.check_pair says: a drafting method needs a draft
             log.info("%s: skipped (pair=%s has no draft)", name, pair.name)
             continue
-        method = method_cls(cfg.method if name == cfg.method.name else method_cls.settings({}), pair)
-        start = time.perf_counter()
-        method.setup(train_if_missing=True)
-        reports[name] = {"seconds": round(time.perf_counter() - start, 1), **getattr(method, "report", {})}
+        # ``train all``: every method with its shipped settings, one job per variant it trains (koala: both bases).
+        variants = [(name, cfg.method)] if name == cfg.method.name else [
+            (f"{name} ({', '.join(f'{k}={v}' for k, v in variant.items())})" if variant else name,
+             method_cls.settings(variant)) for variant in method_cls.train_variants]
+        for label, settings in variants:
+            method = method_cls(settings, pair)
+            start = time.perf_counter()
+            method.setup(train_if_missing=True)
+            reports[label] = {"seconds": round(time.perf_counter() - start, 1), **getattr(method, "report", {})}
     print(json.dumps(reports if args[0] == "all" else reports.get(cfg.method.name, {}), indent=2, default=str))
     return 0
 

@@ -70,6 +70,7 @@ class Method:
     drafts: int = 0
     Config: type[MethodSettings] = MethodSettings  # its settings: types, ranges, defaults, meanings
     label_settings: tuple[str, ...] = ()  # settings its rows in tables always name (beside those that vary)
+    train_variants: tuple[dict, ...] = ({},)  # the settings ``train all`` trains it with (over its defaults)
 
     def __init__(self, cfg: DictConfig | dict, pair: Pair):
         self.cfg = self.settings(cfg)  # validated, defaults filled in: the same checks as the command line

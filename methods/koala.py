@@ -12,9 +12,8 @@ gain over the base is measured at the same training budget), plus ``recipe.adver
 discriminator, :mod:`methods._adversarial`); ``recipe.adversarial=null`` keeps the K layers and drops it. The
 trained parts are cached beside the base's (their recipe differs), and verification is the base's: lossless.
 
-``python -m bench run -m method=medusa,koala method.base=medusa`` is not a valid sweep (``method.base`` is
-koala's); run the base and koala in one sweep with ``baseline=``: ``python -m bench run method=koala
-method.base=medusa baseline=medusa`` times koala against its base head, prompt by prompt, in one run.
+``python -m bench run method=koala method.base=medusa baseline=medusa`` times KOALA against its base head,
+prompt by prompt, in one run (the base with its own defaults: K = 1, no discriminator).
 """
 
 from __future__ import annotations
@@ -78,6 +77,7 @@ class Koala(Method):
     lossless = True  # the base's verification; Medusa's typical acceptance says otherwise per instance
     Config = KoalaSettings
     label_settings = ("base",)  # "koala (base=medusa)": a koala row always says which head it deepened
+    train_variants = ({"base": "medusa"}, {"base": "eagle"})  # train all: KOALA over each base
 
     def __init__(self, cfg, pair):
         super().__init__(cfg, pair)

@@ -45,3 +45,12 @@ def real_pair(compose_cfg):
     from bench.models import load_pair
 
     return load_pair(compose_cfg("pair=smollm2", "device=cpu", "recipe=smoke"))
+
+
+@pytest.fixture(scope="session")
+def looping_prompt(tiny_pair):
+    """A prompt that repeats itself, then ar's own continuation of it: drafters of every kind get tokens right."""
+    from tests.helpers import decode, repeating_prompt
+
+    ids = repeating_prompt(tiny_pair)
+    return ids + decode(tiny_pair, "ar", ids, max_new=30).output_ids

@@ -17,16 +17,9 @@ from tests.helpers import (
     decode,
     noisy_copy,
     prompts_for,
-    repeating_prompt,
     run,
     with_drafts,
 )
-
-
-@pytest.fixture(scope="module")
-def looping_prompt(tiny_pair):
-    ids = repeating_prompt(tiny_pair)
-    return ids + decode(tiny_pair, "ar", ids, max_new=30).output_ids
 
 
 @pytest.mark.parametrize("overrides", [{"draft": "chain", "gamma": 4}, {"top_k": 1, "total_tokens": 4},

@@ -15,14 +15,7 @@ from tests.helpers import (
     decode,
     method_cfg,
     prompts_for,
-    repeating_prompt,
 )
-
-
-@pytest.fixture(scope="module")
-def looping_prompt(tiny_pair):
-    ids = repeating_prompt(tiny_pair)
-    return ids + decode(tiny_pair, "ar", ids, max_new=30).output_ids
 
 
 def test_the_medusa_base_is_lossless_with_k_layer_heads(tiny_pair, looping_prompt):
@@ -98,3 +91,14 @@ def test_bad_input_is_one_sentence(compose_cfg, capsys):
     assert "method=koala reads the target's hidden states" in capsys.readouterr().err
     assert main(["run", "pair=tiny", "method=koala", "method.eagle.recipe.layers=0"]) == 2
     assert "method.eagle.recipe.layers" in capsys.readouterr().err
+
+
+def test_train_all_trains_koala_over_each_base(cache_dir, capsys):
+    import json
+
+    from bench.__main__ import main
+
+    assert main(["train", "all", "pair=tiny", f"cache_dir={cache_dir}", "recipe=smoke"]) == 0
+    reports = json.loads(capsys.readouterr().out)
+    assert reports["koala (base=medusa)"]["layers"] == reports["koala (base=eagle)"]["layers"] == 2
+    assert {"medusa", "eagle", "hydra", "sprinter"} <= set(reports)

@@ -20,10 +20,8 @@ from tests.helpers import (
     assert_greedy_equal_to_ar,
     assert_sampling_is_the_targets,
     build,
-    decode,
     noisy_copy,
     prompts_for,
-    repeating_prompt,
     with_drafts,
 )
 
@@ -34,12 +32,6 @@ METHODS = known_methods()
 def good_pair(tiny_pair):
     """The tiny pair whose first draft is a noisy copy of the target (and whose second is the random draft)."""
     return with_drafts(tiny_pair, noisy_copy(tiny_pair.target.module), tiny_pair.drafts[0].module)
-
-
-@pytest.fixture(scope="module")
-def looping_prompt(tiny_pair):
-    ids = repeating_prompt(tiny_pair)
-    return ids + decode(tiny_pair, "ar", ids, max_new=30).output_ids
 
 
 def test_every_registered_method_is_a_config_option():
