@@ -9,10 +9,11 @@ non-saturating ``-log D(q)``, computed through a frozen copy of the discriminato
 optimiser sees it through the shared loss; the discriminator has its own).
 
 Where this follows the paper and where it fills a gap (the README's KOALA table says it too): the paper
-describes the discriminator as telling the target's outputs from the head's and alternates their updates; it
-does not fix the discriminator's input or size here, so it reads the distribution over the head's reduced
-vocabulary (what the head is judged by: which token wins), through a small MLP, on a random subset of the
-batch's positions (``positions``) to keep the step cheap on a CPU.
+describes the discriminator as telling the target's outputs from the head's, trained in alternation with it;
+only its abstract and summaries could be read offline here, so the discriminator's input and size are this
+harness's choice: the distribution over the head's reduced vocabulary (what the head is judged by: which token
+wins), through a small MLP, on a random subset of the batch's positions (``positions``) to keep the step
+cheap on a CPU.
 """
 
 from __future__ import annotations
