@@ -62,7 +62,7 @@ class HeadsRecipe(TrainRecipe):
     the run's training recipe: how many teacher tokens, how many epochs)."""
 
     num_heads: int = Field(4, ge=1, description="head k proposes the token k + 1 steps after the target's next one")
-    layers: int = Field(1, ge=1, description="residual MLP blocks per head (Medusa and Hydra: 1; Hydra++: 4)")
+    layers: int = Field(1, ge=1, description="residual MLP blocks per head (Medusa and Hydra: 1; Hydra++: 4; KOALA: K)")
     vocab: int = Field(8192, ge=1, description="heads propose from the most frequent tokens only (verification "
                        "stays lossless)")
     loss: Literal["top1", "teacher"] = Field("top1", description="top1: the target's greedy token; teacher: the "
