@@ -36,7 +36,7 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import summary  # noqa: E402
+from bench import inputs, summary  # noqa: E402
 from bench.cli import compose  # noqa: E402
 from bench.errors import BenchError  # noqa: E402
 from bench.models import load_pair, resolve_device  # noqa: E402
@@ -83,7 +83,7 @@ def targets(reports: dict, decoding: dict) -> list[dict]:
     rows.append({"target": "SPRINTER verifier ROC-AUC / precision / recall (reported)",
                  "measured": f"{v.get('roc_auc', float('nan')):.3f} / {v.get('precision', float('nan')):.3f} / "
                              f"{v.get('recall', float('nan')):.3f}", "met": None})
-    eagle = decoding.get("eagle", {}).get("speedup_median")
+    eagle = decoding.get("eagle", {}).get("speedup_median") if decoding.get("eagle", {}).get("against") == "ar" else None
     rows.append({"target": "eagle >= 1.0x ar while decoding (issue 13)", "measured": eagle,
                  "met": None if eagle is None else eagle >= 1.0})
     for base in ("medusa", "eagle"):
@@ -94,16 +94,22 @@ def targets(reports: dict, decoding: dict) -> list[dict]:
 
 
 def sweep_summary(sweeps: list[Path]) -> dict:
-    """Per method of the sweeps (koala per base: ``koala/medusa``): paired speedup against ar, mean accepted
-    tokens per call and α (bench.summary)."""
+    """Per method of the sweeps (koala per base: ``koala/medusa``): paired speedup against the run's baseline
+    (``against``: ar, or e.g. eagle for ``baseline=eagle``), mean accepted tokens per call and α (bench.summary)."""
     keep = ["label", "speedup_median", "speedup_lo", "speedup_hi", "mean_accepted", "alpha", "matches_baseline"]
     out = {}
     for sweep in sweeps:
+        prov = inputs.read_run_json(sweep)  # whom the run timed against (baseline=eagle, say), as bench table reads it
+        against = ((prov or {}).get("config") or {}).get("baseline", "ar")
         for row in summary.as_rows(summary.run_summary(sweep)):
-            if row["method"] == "koala":  # its label names its base: "koala (recipe=full, base=medusa)"
-                out[f"koala/{'medusa' if 'base=medusa' in row['label'] else 'eagle'}"] = {k: row.get(k) for k in keep}
-            elif row["method"] != "ar":
-                out[row["method"]] = {k: row.get(k) for k in keep}
+            if row["method"] == "ar":
+                continue
+            entry = {**{k: row.get(k) for k in keep}, "against": against}
+            if row["method"] == against:  # the baseline itself: its acceptance counts, a speedup over itself not
+                entry.update(speedup_median=None, speedup_lo=None, speedup_hi=None, against=None)
+            # koala's label names its base: "koala (recipe=full, base=medusa)"
+            name = f"koala/{'medusa' if 'base=medusa' in row['label'] else 'eagle'}" if row["method"] == "koala" else row["method"]
+            out[name] = entry
     return out
 
 
