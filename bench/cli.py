@@ -225,9 +225,7 @@ def train_main(args: list[str]) -> int:
             log.info("%s: skipped (pair=%s has no draft)", name, pair.name)
             continue
         # ``train all``: every method with its shipped settings, one job per variant it trains (koala: both bases).
-        variants = [(name, cfg.method)] if name == cfg.method.name else [
-            (f"{name} ({', '.join(f'{k}={v}' for k, v in variant.items())})" if variant else name,
-             method_cls.settings(variant)) for variant in method_cls.train_variants]
+        variants = [(name, cfg.method)] if name == cfg.method.name else method_cls.variants()
         for label, settings in variants:
             method = method_cls(settings, pair)
             start = time.perf_counter()

@@ -95,6 +95,13 @@ class Method:
         """:meth:`check_settings` as the ``DictConfig`` the method reads."""
         return as_config(cls.check_settings(cfg))
 
+    @classmethod
+    def variants(cls) -> list[tuple[str, DictConfig]]:
+        """``(label, settings)`` of each variant ``train all`` trains (:attr:`train_variants` over the defaults):
+        the method's name for its defaults, ``koala (base=medusa)`` for one that sets something."""
+        return [(f"{cls.name} ({', '.join(f'{k}={v}' for k, v in over.items())})" if over else cls.name,
+                 cls.settings(over)) for over in cls.train_variants]
+
     def setup(self, train_if_missing: bool = True) -> None:
         """Load (or build, when missing) what the method needs beyond the pair: heads, verifier, tables."""
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from omegaconf import OmegaConf
 from pydantic import Field, model_validator
 
 from bench.errors import BenchError
@@ -58,16 +59,9 @@ class KoalaSettings(MethodSettings):
         for base in BASES:
             given = data.get(base)
             if isinstance(given, dict):
-                data[base] = merged(cls.model_fields[base].default_factory().model_dump(), given)
+                default = cls.model_fields[base].default_factory().model_dump()
+                data[base] = OmegaConf.to_container(OmegaConf.merge(default, given))
         return data
-
-
-def merged(default: dict, given: dict) -> dict:
-    """``given`` over ``default``, nested dicts merged key by key (a ``None`` replaces a whole node)."""
-    out = dict(default)
-    for key, value in given.items():
-        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
 
 
 @register("koala")

@@ -50,18 +50,15 @@ HEADS = ("medusa", "hydra", "hydra_pp")
 
 def trained_reports(cfg) -> dict:
     """The training report of the pair's first distilled draft, of each heads method, of the verifier, of
-    EAGLE's draft layer and of KOALA's heads over each base (``koala/medusa``, ``koala/eagle``)."""
+    EAGLE's draft layer and of KOALA's heads over each base (``koala (base=medusa)``, as ``train all`` names it)."""
     pair = load_pair(cfg, train_if_missing=False, n_drafts=1)
     specs = [s for s in cfg.pair.get("drafts") or [] if s.source == "distilled"]
     out = {"draft": draft_report(pair.target.module, pair.tokenizer, specs[0].recipe, pair.teacher) if specs else {}}
-    for name in (*HEADS, "sprinter", "eagle"):
-        method = get_method(name)(get_method(name).settings({}), pair)
-        method.setup(train_if_missing=False)
-        out[name] = method.report
-    for base in ("medusa", "eagle"):
-        method = get_method("koala")(get_method("koala").settings({"base": base}), pair)
-        method.setup(train_if_missing=False)
-        out[f"koala/{base}"] = method.report
+    for name in (*HEADS, "sprinter", "eagle", "koala"):
+        for label, settings in get_method(name).variants():  # as train all trains them: koala over each base
+            method = get_method(name)(settings, pair)
+            method.setup(train_if_missing=False)
+            out[label] = method.report
     return out
 
 
@@ -87,14 +84,14 @@ def targets(reports: dict, decoding: dict) -> list[dict]:
     rows.append({"target": "eagle >= 1.0x ar while decoding (issue 13)", "measured": eagle,
                  "met": None if eagle is None else eagle >= 1.0})
     for base in ("medusa", "eagle"):
-        mine, theirs = (decoding.get(k, {}).get("mean_accepted") for k in (f"koala/{base}", base))
+        mine, theirs = (decoding.get(k, {}).get("mean_accepted") for k in (f"koala (base={base})", base))
         rows.append({"target": f"koala (base={base}) accepts more per target call than {base} (issue 13)",
                      "measured": f"{mine} vs {theirs}", "met": None if mine is None or theirs is None else mine > theirs})
     return rows
 
 
 def sweep_summary(sweeps: list[Path]) -> dict:
-    """Per method of the sweeps (koala per base: ``koala/medusa``): paired speedup against the run's baseline
+    """Per method of the sweeps (koala per base: ``koala (base=medusa)``): paired speedup against the run's baseline
     (``against``: ar, or e.g. eagle for ``baseline=eagle``), mean accepted tokens per call and α (bench.summary)."""
     keep = ["label", "speedup_median", "speedup_lo", "speedup_hi", "mean_accepted", "alpha", "matches_baseline"]
     out = {}
@@ -108,7 +105,7 @@ def sweep_summary(sweeps: list[Path]) -> dict:
             if row["method"] == against:  # the baseline itself: its acceptance counts, a speedup over itself not
                 entry.update(speedup_median=None, speedup_lo=None, speedup_hi=None, against=None)
             # koala's label names its base: "koala (recipe=full, base=medusa)"
-            name = f"koala/{'medusa' if 'base=medusa' in row['label'] else 'eagle'}" if row["method"] == "koala" else row["method"]
+            name = f"koala (base={'medusa' if 'base=medusa' in row['label'] else 'eagle'})" if row["method"] == "koala" else row["method"]
             out[name] = entry
     return out
 
@@ -116,7 +113,7 @@ def sweep_summary(sweeps: list[Path]) -> dict:
 def koala_vs_base(reports: dict, base: str) -> list:
     """KOALA's held-out agreement over ``base`` and the base's own: per head for medusa, the first draft token's
     for eagle."""
-    return [reports[f"koala/{base}"].get("agreement_after"), reports[base].get("agreement_after")]
+    return [reports[f"koala (base={base})"].get("agreement_after"), reports[base].get("agreement_after")]
 
 
 def main(argv: list[str]) -> int:
@@ -146,8 +143,8 @@ def main(argv: list[str]) -> int:
     e = reports["eagle"]
     print(f"\nEAGLE draft layer: held-out depth-1 agreement {e.get('agreement_before')} -> {e.get('agreement_after')}, "
           f"on target answers {e.get('answer_agreement')}, {e.get('train_tokens')} tokens")
-    koala = [[f"koala/{b}", reports[f"koala/{b}"].get("layers"), reports[f"koala/{b}"].get("discriminator_auc_mean"),
-              *koala_vs_base(reports, b)] for b in ("medusa", "eagle")]
+    koala = [[f"koala (base={b})", reports[f"koala (base={b})"].get("layers"),
+              reports[f"koala (base={b})"].get("discriminator_auc_mean"), *koala_vs_base(reports, b)] for b in ("medusa", "eagle")]
     print("\n" + tabulate(koala, headers=["KOALA", "K", "discriminator AUC", "held-out agreement", "its base's"]))
     if decoding:
         print("\n" + tabulate([{"method": m, **r} for m, r in decoding.items()], headers="keys", floatfmt=".3f"))
