@@ -54,7 +54,7 @@ from methods._adversarial import Adversary, AdversaryRecipe
 
 log = logging.getLogger(__name__)
 
-KINDS = ("medusa", "hydra")
+KINDS = ("medusa", "hydra", "amphista")
 
 
 class HeadsRecipe(TrainRecipe):
@@ -99,7 +99,7 @@ class Heads(nn.Module):
         self.num_heads = num_heads
         self.layers = layers
         # Hydra head k reads h and the k + 1 path embeddings: (k + 2) * hidden input features.
-        width = [hidden if kind == "medusa" else (k + 2) * hidden for k in range(num_heads)]
+        width = [(k + 2) * hidden if kind == "hydra" else hidden for k in range(num_heads)]
         self.blocks = nn.ModuleList(ResBlock(hidden, w) for w in width)
         # Hydra++'s deeper heads: more blocks of x + SiLU(W x) after the first (each starts as the identity).
         self.deeper = nn.ModuleList(nn.Sequential(*(ResBlock(hidden) for _ in range(layers - 1))) for _ in width)
@@ -116,7 +116,7 @@ class Heads(nn.Module):
         Returns:
             ``(..., V')``.
         """
-        if self.kind == "medusa":
+        if self.kind != "hydra":
             return self.proj[k](self.deeper[k](self.blocks[k](hidden)))
         features = torch.cat([hidden, path_emb.flatten(-2)], dim=-1)
         return self.proj[k](self.deeper[k](self.blocks[k](hidden, features)))
@@ -124,14 +124,45 @@ class Heads(nn.Module):
     def forward(self, hidden: torch.Tensor, path_emb: torch.Tensor | None = None) -> torch.Tensor:
         """Medusa: all heads, ``(..., hidden)`` -> ``(..., K, V')``. Hydra: the head that ``path_emb``'s length
         ``k + 1`` selects, ``(..., hidden), (..., k + 1, hidden)`` -> ``(..., V')``."""
-        if self.kind == "medusa":
+        if self.kind != "hydra":
             return torch.stack([self.head(k, hidden) for k in range(self.num_heads)], dim=-2)
         return self.head(path_emb.shape[-2] - 1, hidden, path_emb)
+
+    def teacher_forced(self, hidden: torch.Tensor, chunks: torch.Tensor, embed) -> list[torch.Tensor]:
+        """Per head k, its logits at every position t that has a label (t + k + 1 < T), ``(B, T - k - 1, V')``,
+        from the target's hidden states ``(B, T, H)`` over the text ``chunks (B, T)`` (training, held-out
+        agreement)."""
+        T = hidden.shape[1]
+        if self.kind != "hydra":
+            return [self.head(k, hidden[:, : T - k - 1]) for k in range(self.num_heads)]
+        out = []
+        for k in range(self.num_heads):
+            # Teacher forcing: the path tokens after position t are the text's own x_{t+1} .. x_{t+k+1}.
+            with torch.no_grad():  # the target's embedding is frozen: no gradient for it (a vocabulary-sized one)
+                emb = torch.stack([embed(chunks[:, 1 + j : T - k + j]) for j in range(k + 1)], dim=-2)
+            out.append(self.head(k, hidden[:, : T - k - 1], emb))
+        return out
+
+    def init_from(self, target) -> None:
+        """Start from the target: every projection is its output rows over ``vocab_map``."""
+        rows = target.get_output_embeddings().weight.data[self.vocab_map.to(target.device)]
+        for proj in self.proj:
+            proj.weight.data.copy_(rows)
 
     def head_weights(self, k: int) -> int:
         """Matmul weights of head k alone (for FLOPs)."""
         deeper = sum(b.linear.weight.numel() for b in self.deeper[k])
         return self.blocks[k].linear.weight.numel() + deeper + self.proj[k].weight.numel()
+
+
+def new_heads(kind: str, target_config, num_heads: int, vocab_map: torch.Tensor, layers: int = 1,
+              stages: int = 0) -> Heads:
+    """Untrained heads of ``kind`` (Amphista's with ``stages`` adaptation layers) for a target of ``target_config``."""
+    if kind == "amphista":  # built on this module's Heads, so imported only when asked for
+        from methods._amphista import AmphistaHeads
+
+        return AmphistaHeads(target_config, num_heads, vocab_map, layers, stages)
+    return Heads(kind, target_config.hidden_size, num_heads, vocab_map, layers)
 
 
 class CountedHeads(CountedModule):
@@ -248,18 +279,6 @@ def feature_stores(target, tokenizer, teacher: Teacher, who: str):
     return teacher.store(target, tokenizer, "train"), teacher.store(target, tokenizer, "test")
 
 
-def head_logits(heads: Heads, k: int, hidden: torch.Tensor, chunks: torch.Tensor, embed) -> torch.Tensor:
-    """Head k at every position t that has a label (t + k + 1 < T): ``(B, T - k - 1, V')``."""
-    T = hidden.shape[1]
-    h = hidden[:, : T - k - 1]
-    if heads.kind == "medusa":
-        return heads.head(k, h)
-    # Teacher forcing: the path tokens after position t are the text's own x_{t+1} .. x_{t+k+1}.
-    with torch.no_grad():  # the target's embedding is frozen: no gradient for it (a vocabulary-sized one)
-        emb = torch.stack([embed(chunks[:, 1 + j : T - k + j]) for j in range(k + 1)], dim=-2)
-    return heads.head(k, h, emb)
-
-
 def heads_loss(heads: Heads, batch: dict, to_sub, loss: str, embed, decay: float, prefix: PrefixLayer | None = None,
                teacher_head: nn.Linear | None = None, adversary: Adversary | None = None) -> torch.Tensor:
     """Sum over heads of ``decay**k`` times head k's cross-entropy against the target at position t + k + 1,
@@ -275,8 +294,8 @@ def heads_loss(heads: Heads, batch: dict, to_sub, loss: str, embed, decay: float
     T = hidden.shape[1]
     inputs = prefix(hidden) if prefix is not None else hidden
     total = hidden.new_zeros(())
-    for k in range(heads.num_heads):
-        logq = torch.log_softmax(head_logits(heads, k, inputs, ids, embed).float(), -1)
+    for k, logits in enumerate(heads.teacher_forced(inputs, ids, embed)):
+        logq = torch.log_softmax(logits.float(), -1)
         keep = mask[:, : T - k - 1] & mask[:, k + 1 :]
         later = hidden[:, k + 1 :]  # the target's hidden state where head k's label is its next token
 
@@ -307,8 +326,8 @@ def head_agreement(heads: Heads, store, embed, batch_size: int, prefix: PrefixLa
         b = {n: t.to(device) for n, t in store.rows(part, ("ids", "idx", "mask", "hidden")).items()}
         h = b["hidden"] if prefix is None else prefix(b["hidden"])
         T = h.shape[1]
-        for k in range(heads.num_heads):
-            pred = heads.vocab_map[head_logits(heads, k, h, b["ids"], embed).argmax(-1)]
+        for k, logits in enumerate(heads.teacher_forced(h, b["ids"], embed)):
+            pred = heads.vocab_map[logits.argmax(-1)]
             keep = b["mask"][:, : T - k - 1] & b["mask"][:, k + 1 :]
             hits[k] += (pred == b["idx"][:, k + 1 :, 0])[keep].sum().item()
             total[k] += keep.sum().item()
@@ -334,9 +353,9 @@ def train_heads(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teach
     to_sub = sub_index(vocab_map, target.config.vocab_size).to(device)
 
     out_rows = target.get_output_embeddings().weight.data[vocab_map.to(device)]
-    heads = Heads(kind, target.config.hidden_size, K, vocab_map, int(recipe.get("layers", 1))).to(device)
-    for proj in heads.proj:
-        proj.weight.data.copy_(out_rows)
+    heads = new_heads(kind, target.config, K, vocab_map, int(recipe.get("layers", 1)), int(recipe.get("stages", 0)))
+    heads = heads.to(device)
+    heads.init_from(target)
     teacher_head = None
     adversarial = recipe.get("adversarial")
     adversary = Adversary(len(vocab_map), AdversaryRecipe(**adversarial), device) if adversarial else None
@@ -392,7 +411,7 @@ def heads_artifact(target, tokenizer, kind: str, recipe: DictConfig, teacher: Te
     def build(folder: Path) -> dict:
         heads, prefix, report = train_heads(target, tokenizer, kind, recipe, teacher)
         torch.save({"kind": kind, "hidden": heads.blocks[0].linear.out_features, "num_heads": heads.num_heads,
-                    "layers": heads.layers,
+                    "layers": heads.layers, "stages": len(getattr(heads, "stages", ())),
                     "state": heads.state_dict(), "prefix": prefix.state_dict() if prefix is not None else None},
                    folder / "heads.pt")
         return report
@@ -403,7 +422,8 @@ def heads_artifact(target, tokenizer, kind: str, recipe: DictConfig, teacher: Te
         if has_prefix != keyed["prefix_layer"]:
             # Not a BenchError: a file that does not fit its key is broken, rebuilt when building is allowed.
             raise ValueError(f"it {'has' if has_prefix else 'lacks'} a prefix layer, unlike method.recipe.prefix_layer")
-        heads = Heads(blob["kind"], blob["hidden"], blob["num_heads"], blob["state"]["vocab_map"], blob.get("layers", 1))
+        heads = new_heads(blob["kind"], target.config, blob["num_heads"], blob["state"]["vocab_map"],
+                          blob.get("layers", 1), blob.get("stages", 0))
         heads.load_state_dict(blob["state"])
         prefix = None
         if has_prefix:

@@ -6,7 +6,8 @@ shared loop (:class:`methods.base.DraftVerify`) scores every node under a tree a
 accepted path's KV entries, and the hidden state of the path's last node feeds the next step's heads. With
 ``recipe.prefix_layer`` (Hydra++) the path's hidden states go through the prefix layer first
 (:meth:`TreeHeadsMethod.heads_input`), which keeps a KV cache of its own over the committed positions; it is
-the counted role ``prefix``. Either way the target runs once per step.
+the counted role ``prefix``; Amphista's staged adaptation layers (``methods/amphista.py``) take its place and
+also read the token after each position. Either way the target runs once per step.
 
 - Greedy: the longest path of the target's own argmax choices: equal to ``ar`` token for token.
 - Sampling: recursive rejection sampling over each node's children (:func:`decoding.verify.verify_tree`;
@@ -15,7 +16,8 @@ the counted role ``prefix``. Either way the target runs once per step.
   LOSSY (:meth:`~TreeHeadsMethod.is_lossless` says so, and records carry ``extra.typical``). At temperature 0
   typical acceptance is the greedy rule, and lossless.
 
-Subclasses (``methods/medusa.py``, ``methods/hydra.py``) set ``kind`` and implement :meth:`fill`.
+Subclasses (``methods/medusa.py``, ``methods/hydra.py``, ``methods/amphista.py``) set ``kind`` and implement
+:meth:`fill`.
 """
 
 from __future__ import annotations
@@ -135,20 +137,30 @@ class TreeHeadsMethod(DraftVerify):
                                                          self.pair.teacher, train_if_missing, method=self.name)
         if heads.num_heads < self.shape.max_depth or heads.blocks[0].linear.out_features != target.config.hidden_size:
             raise BenchError(f"the cached {self.kind} heads do not fit this target and tree; delete them to retrain.")
-        # Registered as a role so the harness counts the heads' calls and FLOPs like any model's.
-        self.heads = self.pair.add(CountedHeads(heads.to(device=self.pair.device, dtype=self.pair.dtype), "heads"))
-        if prefix is not None:
-            self.prefix = self.pair.add(CountedPrefix(prefix.to(device=self.pair.device, dtype=self.pair.dtype), "prefix"))
+        self.add_roles(heads.to(device=self.pair.device, dtype=self.pair.dtype),
+                       prefix.to(device=self.pair.device, dtype=self.pair.dtype) if prefix is not None else None)
         self.embed = target.get_input_embeddings()
 
-    def heads_input(self, hiddens: torch.Tensor, memory) -> torch.Tensor:
+    def add_roles(self, heads, prefix) -> None:
+        """Register the trained parts as roles, so the harness counts their calls and FLOPs like any model's."""
+        self.heads = self.pair.add(CountedHeads(heads, "heads"))
+        if prefix is not None:
+            self.prefix = self.pair.add(CountedPrefix(prefix, "prefix"))
+
+    def new_memory(self):
+        """The caches of whatever the heads' input runs over the committed positions, fresh for one decode: the
+        prefix layer's KV cache (``None`` without one)."""
+        return DynamicCache() if self.prefix is not None else None
+
+    def heads_input(self, hiddens: torch.Tensor, next_ids: list[int], memory) -> torch.Tensor:
         """What the heads read once the target has committed more positions.
 
         Args:
-            hiddens: ``(n, hidden)`` the target's last hidden states at the n positions just committed, in
-                order: the prompt at the prefill, the accepted path (root first) after a tree step.
-            memory: the prefix layer's KV cache for this decode (``None`` without a prefix layer); it is
-                extended by these n positions, so no position is ever fed twice.
+            hiddens: ``(n, hidden)`` the target's last hidden states at the n positions committed since the
+                last call, in order: the prompt after the prefill, the accepted path (root first) after a step.
+            next_ids: the n tokens after those positions (the last is the pending token).
+            memory: :meth:`new_memory`'s caches for this decode; extended by these n positions, so no position
+                is ever fed twice.
         Returns:
             ``(hidden,)``: the target's hidden state at the last committed position, or the prefix layer's
             output there.
@@ -169,12 +181,15 @@ class TreeHeadsMethod(DraftVerify):
     def start(self, st: Decoding) -> None:
         if self.heads is None:
             self.setup(train_if_missing=False)
-        self.memory = DynamicCache() if self.prefix is not None else None  # the prefix layer's own KV cache
-        self.input = self.heads_input(st.prompt_hidden, self.memory)
+        self.memory = self.new_memory()
+        self.unread = st.prompt_hidden  # fed to heads_input at the first proposal, once the pending token is known
         self.typical = bool(self.cfg.typical) and not st.sampling.greedy
         self.nodes: list[int] = []
 
     def propose(self, st: Decoding) -> Draft:
+        if self.unread is not None:
+            self.input = self.heads_input(self.unread, st.seq[-len(self.unread):], self.memory)
+            self.unread = None
         shape = self.shapes[min(st.room, self.shape.max_depth)]
         tree = self.fill(self.input, st.seq[-1], shape) if len(shape) > 1 else Tree(st.seq[-1])
         self.nodes.append(len(tree))
@@ -187,8 +202,7 @@ class TreeHeadsMethod(DraftVerify):
         return super().verify(st, draft, logits)
 
     def accepted(self, st: Decoding, draft: Draft, path: list[int], hidden: torch.Tensor) -> None:
-        if not st.done:  # the heads' input for the next step (nothing to run after the last one)
-            self.input = self.heads_input(hidden, self.memory)
+        self.unread = hidden  # the heads' input for the next step, read when it proposes (never after the last)
 
     def figures(self, st: Decoding) -> dict:
         extra = {

@@ -133,7 +133,7 @@ def test_prefix_layer_while_decoding_equals_it_over_the_committed_sequence(pair)
         torch.nn.init.normal_(method.prefix.module.gamma)
     seen = []
     inner = method.heads_input
-    method.heads_input = lambda hiddens, memory: seen.append(inner(hiddens, memory)) or seen[-1]
+    method.heads_input = lambda hiddens, next_ids, memory: seen.append(inner(hiddens, next_ids, memory)) or seen[-1]
     ids = prompts_for(pair, 1)[0]
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():

@@ -26,7 +26,7 @@ def test_default_target_is_a_real_instruct_model(real_pair):
     assert "Paris" in text
 
 
-@pytest.mark.parametrize("name", ["medusa", "hydra", "hydra_pp"])
+@pytest.mark.parametrize("name", ["medusa", "hydra", "hydra_pp", "amphista"])
 def test_tree_heads_equal_ar_greedy_on_default_pair(real_pair, name):
     """Tree verification on the real target; heads from a seconds-long recipe (equality must hold anyway)."""
     import dataclasses

@@ -158,7 +158,7 @@ def test_every_trainer_reads_the_store_and_labels_nothing_itself(compose_cfg, tm
     monkeypatch.setattr(teacher, "target_answers", no_labelling)
     pair = load_pair(cfg)  # distils the draft from the store
     reports = {"draft": pair.draft.module is not None}
-    for name in ("medusa", "hydra", "hydra_pp", "sprinter", "eagle"):
+    for name in ("medusa", "hydra", "hydra_pp", "amphista", "sprinter", "eagle"):
         method = get_method(name)(get_method(name).settings({"recipe": {"vocab": 64}} if name != "sprinter" else {}), pair)
         method.setup()
         reports[name] = method.report["recipe"]
@@ -166,7 +166,8 @@ def test_every_trainer_reads_the_store_and_labels_nothing_itself(compose_cfg, tm
         method = get_method("koala")(get_method("koala").settings({"base": base, base: {"recipe": {"vocab": 64}}}), pair)
         method.setup()
         reports[f"koala/{base}"] = method.report["recipe"]
-    assert reports == {"draft": True, "medusa": "smoke", "hydra": "smoke", "hydra_pp": "smoke", "sprinter": "smoke",
+    assert reports == {"draft": True, "medusa": "smoke", "hydra": "smoke", "hydra_pp": "smoke", "amphista": "smoke",
+                       "sprinter": "smoke",
                        "eagle": "smoke", "koala/medusa": "smoke", "koala/eagle": "smoke"}
 
 
