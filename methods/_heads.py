@@ -385,6 +385,7 @@ def train_heads(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teach
         agreement_after=head_agreement(heads, held, embed, bs, prefix, device),
         prefix_layer=prefix is not None,
         layers=heads.layers,
+        **({"stages": len(heads.stages)} if kind == "amphista" else {}),
         **(adversary.report() if adversary is not None else {}),
         recipe=teacher.recipe.name,
         train_tokens=int(m.sum()),

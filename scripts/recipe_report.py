@@ -1,7 +1,7 @@
 """What a training recipe buys on a pair: the trained parts' held-out figures and, from a sweep, their decoding.
 
   python -m bench train all recipe=full                       # train everything first (this script never trains)
-  python -m bench run -m method=sd,medusa,hydra,hydra_pp,sprinter,eagle recipe=full
+  python -m bench run -m method=sd,medusa,hydra,hydra_pp,amphista,sprinter,eagle recipe=full
   python -m bench run -m method=koala method.base=medusa,eagle recipe=full
   python scripts/recipe_report.py recipe=full [--sweep DIR [--sweep DIR2]] [--out DIR] [overrides]
 
@@ -10,8 +10,9 @@ that is not trained is one sentence saying how to train it) and prints them agai
 
 - the distilled draft: greedy agreement with the target on held-out text and on the target's own held-out answers
   (the positions greedy SD drafts for); with ``--sweep``, its acceptance α while decoding (the target: >= 0.35);
-- Medusa / Hydra / Hydra++ heads: held-out top-1 agreement per head (targets: Medusa head 0 >= 0.35, Hydra >=
-  Medusa at every head);
+- Medusa / Hydra / Hydra++ / Amphista heads: held-out top-1 agreement per head (targets: Medusa head 0 >= 0.35,
+  Hydra >= Medusa at every head); with ``--sweep``, whether amphista accepts more per target call than medusa
+  (issue 13);
 - the SPRINTER verifier: held-out ROC-AUC, precision and recall on on-policy labels;
 - EAGLE's draft layer: held-out agreement of its first draft token, on all text and on the target's answers
   (issue 13); with ``--sweep``, whether eagle beats ar (the target: >= 1.0x);
@@ -45,7 +46,7 @@ from bench.results import provenance, write_json_atomic  # noqa: E402
 from bench.validate import validate  # noqa: E402
 from decoding.distill import draft_report  # noqa: E402
 
-HEADS = ("medusa", "hydra", "hydra_pp")
+HEADS = ("medusa", "hydra", "hydra_pp", "amphista")
 
 
 def trained_reports(cfg) -> dict:
@@ -83,6 +84,9 @@ def targets(reports: dict, decoding: dict) -> list[dict]:
     eagle = decoding.get("eagle", {}).get("speedup_median") if decoding.get("eagle", {}).get("against") == "ar" else None
     rows.append({"target": "eagle >= 1.0x ar while decoding (issue 13)", "measured": eagle,
                  "met": None if eagle is None else eagle >= 1.0})
+    mine, theirs = (decoding.get(k, {}).get("mean_accepted") for k in ("amphista", "medusa"))
+    rows.append({"target": "amphista accepts more per target call than medusa (issue 13)", "measured": f"{mine} vs {theirs}",
+                 "met": None if mine is None or theirs is None else mine > theirs})
     for base in ("medusa", "eagle"):
         mine, theirs = (decoding.get(k, {}).get("mean_accepted") for k in (f"koala (base={base})", base))
         rows.append({"target": f"koala (base={base}) accepts more per target call than {base} (issue 13)",
