@@ -24,6 +24,11 @@ Per shard (S sequences, L = seq_len, k = topk, H = hidden size):
 ``ids (S, L) int32``, ``mask (S, L) bool`` (False on padding), ``idx (S, L, k) int32`` and ``prob (S, L, k)
 float16`` (the target's top-k at each position: ``idx[..., 0]`` is its greedy next token), ``hidden (S, L, H)
 float16`` (only with ``hidden: true``).
+
+Beside the shards, and only when a trainer asks (:meth:`Teacher.kv_store`; GliDe's draft cross-attends to them):
+the target's keys and values of one decoder layer at every position of a shard's ``ids``, ``k`` and ``v``
+``(S, n_kv_heads, L, head_dim) float16`` (keys after rotary, as the target caches them while decoding), each
+shard's one artifact keyed by that shard's own key and the layer, so the shards' keys never change.
 """
 
 from __future__ import annotations
@@ -79,8 +84,8 @@ class StoreSettings(Settings):
 
 class RecipeSettings(Settings):
     """How much the target labels and how long the trainers train (``recipe=smoke|quick|full``). Every trainer of
-    a run (distilled drafts, Medusa/Hydra heads, the SPRINTER verifier, EAGLE's draft layer) reads the same
-    teacher store under the same recipe; records name the recipe behind each trained method."""
+    a run (distilled drafts, Medusa/Hydra heads, the SPRINTER verifier, EAGLE's draft layer, GliDe's
+    draft) reads the same teacher store under the same recipe; records name the recipe behind each trained method."""
 
     name: str = Field("quick", pattern=r"^[A-Za-z0-9_.-]+$", description="the recipe's name, as records and "
                       "tables show it")
@@ -93,6 +98,7 @@ class RecipeSettings(Settings):
     verifier_epochs: int = Field(8, ge=1, description="passes of the SPRINTER verifier over its examples")
     eagle_epochs: int = Field(6, ge=1, description="passes of EAGLE's draft layer over the teacher tokens (the "
                               "paper: 20)")
+    glide_epochs: int = Field(2, ge=1, description="passes of GliDe's draft over the teacher tokens")
     store: StoreSettings = Field(default_factory=StoreSettings, description="what the teacher store holds")
 
     def budget(self, trainer: str) -> dict:
@@ -115,11 +121,11 @@ class RecipeSettings(Settings):
 # sized for ``python -m bench train all recipe=full`` in about an hour on 2 CPU cores (README: measured).
 RECIPES = {
     "smoke": RecipeSettings(name="smoke", tokens=4096, eval_tokens=1024, draft_epochs=1, heads_epochs=1,
-                            verifier_epochs=2, eagle_epochs=1,
+                            verifier_epochs=2, eagle_epochs=1, glide_epochs=1,
                             store=StoreSettings(corpus="lee", seq_len=64, shard_sequences=16, answer_tokens=32, topk=8)),
     "quick": RecipeSettings(),
     "full": RecipeSettings(name="full", tokens=163840, eval_tokens=32768, draft_epochs=2, heads_epochs=1,
-                           verifier_epochs=8, eagle_epochs=8),
+                           verifier_epochs=8, eagle_epochs=8, glide_epochs=2),
 }
 
 
@@ -137,6 +143,7 @@ class TeacherStore:
     reports: list[dict]  # each shard's build report: kind, tokens, seconds, tokens_per_s
     limit: int
     per_shard: int  # sequences per shard (sequences_per_shard(settings, split))
+    keys: list[dict] = field(default_factory=list, repr=False)  # each shard's artifact key (what its extras key on)
 
     def report(self) -> dict:
         """What the store holds and what labelling cost, by kind of shard (``train store`` prints it)."""
@@ -396,7 +403,84 @@ def load_or_grow_store(target, tokenizer, settings: StoreSettings, cache: Path, 
         for art in tqdm(arts, desc=f"teacher store ({split})", unit="shard"):
             shards.append(load_or_build(art, cache, build_if_missing))
             reports.append(report_of(art, cache))
-    return TeacherStore(settings, shards, arts[0].folder(cache).parent, reports, math.ceil(tokens / settings.seq_len), per)
+    return TeacherStore(settings, shards, arts[0].folder(cache).parent, reports, math.ceil(tokens / settings.seq_len), per,
+                        [a.key for a in arts])
+
+
+# --------------------------------------------------------------------------------------------- K/V extra
+
+
+def kv_layer(config, layer: int, key: str = "layer") -> int:
+    """``layer`` as an index into the target's decoder layers (negative: from the last, -1 the last one); ``key``
+    names the setting in the sentence that refuses one that is not a layer."""
+    n = config.num_hidden_layers
+    if not -n <= layer < n:
+        raise BenchError(f"{key}={layer} is not one of the target's {n} decoder layers (0 .. {n - 1}, or -1 .. -{n} "
+                         "counted from the last).")
+    return layer % n
+
+
+@torch.no_grad()
+def target_kv(target, ids: torch.Tensor, layer: int, batch_size: int, desc: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's keys and values of decoder ``layer`` at every position of ``ids (N, T)``: one teacher-forced
+    forward per batch, read from the KV cache it returns (keys after rotary, exactly what decoding caches).
+    Returns ``(k, v)``, each ``FloatTensor (N, n_kv_heads, T, head_dim)`` on the CPU."""
+    device = next(target.parameters()).device
+    ks, vs = [], []
+    for start in tqdm(range(0, len(ids), batch_size), desc=desc, unit="batch"):
+        out = target(ids[start : start + batch_size].to(device), use_cache=True, logits_to_keep=1)
+        cached = out.past_key_values.layers[layer]
+        ks.append(cached.keys.float().cpu())
+        vs.append(cached.values.float().cpu())
+    return torch.cat(ks), torch.cat(vs)
+
+
+@dataclass
+class KVStore:
+    """The target's keys and values of decoder ``layer`` over the sequences of ``store``, shard by shard,
+    memory-mapped: ``shards[i]["k"]`` and ``["v"]`` are ``(S, n_kv_heads, L, head_dim) float16`` arrays."""
+
+    store: TeacherStore
+    layer: int
+    shards: list[dict[str, np.ndarray]]
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def rows(self, index) -> dict[str, torch.Tensor]:
+        """Sequences ``index`` (as :meth:`TeacherStore.rows` takes them, aligned with it): ``k`` and ``v``,
+        ``FloatTensor (B, n_kv_heads, L, head_dim)``; only those rows are read from disk."""
+        out: dict[str, list] = {"k": [], "v": []}
+        for i in index:
+            if not 0 <= int(i) < len(self):
+                raise IndexError(f"sequence {int(i)} of a store of {len(self)}")
+            shard, row = self.shards[int(i) // self.store.per_shard], int(i) % self.store.per_shard
+            for name in out:
+                out[name].append(np.asarray(shard[name][row]))
+        return {name: torch.from_numpy(np.stack(v)).float() for name, v in out.items()}
+
+
+def kv_artifact(target, store: TeacherStore, j: int, layer: int) -> Artifact:
+    """The target's keys and values of ``layer`` over shard ``j`` of ``store`` (its stored ids, teacher-forced
+    again: the answers are not regenerated), as an artifact beside the store, keyed by the shard's key."""
+
+    def build(folder: Path) -> dict:
+        ids = torch.from_numpy(np.array(store.shards[j]["ids"])).long()  # a copy: the shard is read-only
+        start = time.perf_counter()
+        k, v = target_kv(target, ids, layer, store.settings.batch_size, f"store: target keys and values (shard {j})")
+        np.save(folder / "k.npy", k.half().numpy())
+        np.save(folder / "v.npy", v.half().numpy())
+        seconds = time.perf_counter() - start
+        return {"layer": layer, "tokens": ids.numel(), "seconds": round(seconds, 3),
+                "tokens_per_s": round(ids.numel() / max(seconds, 1e-9), 1)}
+
+    def load(folder: Path) -> dict[str, np.ndarray]:
+        return {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in ("k", "v")}
+
+    return Artifact("teacher", f"{store.folder.name}-kv/layer{layer}-{j:05d}", {"shard": store.keys[j], "layer": layer},
+                    build, load, description=f"target keys and values of layer {layer}, teacher store shard {j}",
+                    hint="run 'python -m bench train method' for the method that reads them, with the same pair= and "
+                         "recipe= (or train_if_missing=true)")
 
 
 def tokenizer_key(tokenizer) -> dict:
@@ -421,6 +505,7 @@ class Teacher:
     cache: Path
     build_if_missing: bool = True
     stores: dict = field(default_factory=dict, repr=False)
+    kvs: dict = field(default_factory=dict, repr=False)
 
     def store(self, target, tokenizer, split: str = "train") -> TeacherStore:
         """The ``train`` store (``recipe.tokens``) or the held-out ``test`` store (``recipe.eval_tokens``)."""
@@ -429,3 +514,16 @@ class Teacher:
             self.stores[split] = load_or_grow_store(target, tokenizer, self.recipe.store, self.cache, tokens, split,
                                                     self.build_if_missing)
         return self.stores[split]
+
+    def kv_store(self, target, tokenizer, split: str = "train", layer: int = -1) -> KVStore:
+        """The target's keys and values of decoder ``layer`` (-1: the last) over the ``split`` store, built per
+        shard on first use (a progress bar) and kept beside it; rows align with :meth:`store`'s."""
+        layer = kv_layer(target.config, layer)  # a bad layer is said before anything is labelled
+        if (split, layer) not in self.kvs:
+            store = self.store(target, tokenizer, split)
+            arts = [kv_artifact(target, store, j, layer) for j in range(len(store.shards))]
+            with torch.inference_mode():
+                shards = [load_or_build(a, self.cache, self.build_if_missing)
+                          for a in tqdm(arts, desc=f"teacher keys and values, layer {layer} ({split})", unit="shard")]
+            self.kvs[(split, layer)] = KVStore(store, layer, shards)
+        return self.kvs[(split, layer)]

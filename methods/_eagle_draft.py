@@ -27,7 +27,6 @@ Where this differs from the paper, and why (the README's table says it too):
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -38,7 +37,6 @@ from torch import nn
 from bench.artifacts import (
     Artifact,
     load_or_build,
-    model_fingerprint,
     recipe_key,
     report_of,
 )
@@ -47,7 +45,13 @@ from decoding.distill import store_data, store_vocab
 from decoding.teacher import Teacher, tokenizer_key
 from decoding.training import TrainRecipe, fit
 from methods._adversarial import Adversary, AdversaryRecipe
-from methods._heads import body_config, copy_last_layers, feature_stores, fp32_eval
+from methods._heads import (
+    body_config,
+    copy_last_layers,
+    draft_artifact,
+    feature_stores,
+    fp32_eval,
+)
 
 
 class EagleRecipe(TrainRecipe):
@@ -212,28 +216,12 @@ def train_eagle(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
 def eagle_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher, method: str = "eagle") -> Artifact:
     """EAGLE's draft of (target, recipe, tokenizer, the run's training recipe) as a cached artifact: ``eagle.pt``.
     ``method``: what the hint to train it names (``koala method.base=eagle`` trains a KOALA draft here too)."""
-    ident = model_fingerprint(target)
-
-    def build(folder: Path) -> dict:
-        draft, report = train_eagle(target, tokenizer, recipe, teacher)
-        torch.save({"hidden": target.config.hidden_size, "layers": draft.config.num_hidden_layers,
-                    "state": draft.state_dict()}, folder / "eagle.pt")
-        return report
-
-    def load(folder: Path) -> EagleDraft:
-        blob = torch.load(folder / "eagle.pt", map_location="cpu", weights_only=True)
-        if blob["hidden"] != target.config.hidden_size:
-            raise ValueError(f"its hidden size is {blob['hidden']}, the target's {target.config.hidden_size}")
-        draft = EagleDraft(target.config, blob["state"]["vocab_map"], blob.get("layers", 1))
-        draft.load_state_dict(blob["state"])
-        return draft.eval()
-
-    key = {"target": ident, "recipe": recipe_key(recipe, layers=1, adversarial=None),
-           "teacher": teacher.recipe.budget("eagle"),
+    key = {"recipe": recipe_key(recipe, layers=1, adversarial=None), "teacher": teacher.recipe.budget("eagle"),
            **tokenizer_key(tokenizer)}
-    return Artifact("eagle", f"eagle-{ident['name']}", key, build, load,
-                    hint=f"run 'python -m bench train method method={method}' with the same recipe=",
-                    description="EAGLE draft layer" if int(recipe.get("layers", 1)) == 1 else "EAGLE draft")
+    return draft_artifact("eagle", target, key, lambda: train_eagle(target, tokenizer, recipe, teacher),
+                          lambda vocab_map, layers: EagleDraft(target.config, vocab_map, layers),
+                          hint=f"run 'python -m bench train method method={method}' with the same recipe=",
+                          description="EAGLE draft layer" if int(recipe.get("layers", 1)) == 1 else "EAGLE draft")
 
 
 def load_or_train_eagle(target, tokenizer, recipe: DictConfig, teacher: Teacher, train_if_missing: bool = True,

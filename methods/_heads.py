@@ -279,6 +279,30 @@ def feature_stores(target, tokenizer, teacher: Teacher, who: str):
     return teacher.store(target, tokenizer, "train"), teacher.store(target, tokenizer, "test")
 
 
+def draft_artifact(kind: str, target, key: dict, train, new, hint: str, description: str) -> Artifact:
+    """A draft module trained from the target (EAGLE's, GliDe's) as a cached artifact ``<kind>.pt`` holding its
+    hidden size, depth and weights. ``key``: what it depends on besides the target's weights; ``train() ->
+    (module, report)`` builds it; ``new(vocab_map, layers)`` makes an untrained one to load the weights into."""
+    ident = model_fingerprint(target)
+
+    def build(folder: Path) -> dict:
+        draft, report = train()
+        torch.save({"hidden": target.config.hidden_size, "layers": draft.config.num_hidden_layers,
+                    "state": draft.state_dict()}, folder / f"{kind}.pt")
+        return report
+
+    def load(folder: Path):
+        blob = torch.load(folder / f"{kind}.pt", map_location="cpu", weights_only=True)
+        if blob["hidden"] != target.config.hidden_size:
+            raise ValueError(f"its hidden size is {blob['hidden']}, the target's {target.config.hidden_size}")
+        draft = new(blob["state"]["vocab_map"], blob.get("layers", 1))
+        draft.load_state_dict(blob["state"])
+        return draft.eval()
+
+    return Artifact(kind, f"{kind}-{ident['name']}", {"target": ident, **key}, build, load, hint=hint,
+                    description=description)
+
+
 def heads_loss(heads: Heads, batch: dict, to_sub, loss: str, embed, decay: float, prefix: PrefixLayer | None = None,
                teacher_head: nn.Linear | None = None, adversary: Adversary | None = None) -> torch.Tensor:
     """Sum over heads of ``decay**k`` times head k's cross-entropy against the target at position t + k + 1,

@@ -1,0 +1,188 @@
+"""GliDe with CaPE (Du et al., ICML 2024, "GliDe with a CaPE: A Low-Hassle Method to Accelerate Speculative
+Decoding"): a draft that glimpses the target's KV cache, and proposals expanded where the draft is unsure.
+
+- GliDe (:mod:`methods._glide_draft`): the draft's blocks cross-attend to the target's cached keys and values
+  of one layer (the last by default). While decoding they are read straight from the target's KV cache,
+  ``st.cache``, which after each commit holds exactly the committed tokens minus the pending one: the context
+  the target verified. The draft keeps a KV cache of its own over what it has read (rolled back with the
+  target's).
+- CaPE (confidence-aware proposal expansion, ``cape: true``): the draft's top-1 chain of ``gamma`` tokens, and at
+  each chain position whose top-1 probability (the draft's confidence) is below ``cape_threshold``, its next
+  ``cape_k`` tokens as extra candidates (siblings: more children of the previous chain node). The chain goes on
+  under the top-1 tokens only, so CaPE costs the draft nothing; the target scores every candidate in ONE
+  forward under a tree mask and the shared lossless tree verifier keeps a path (candidates are deterministic:
+  one-hot q, so sampled output follows the target's distribution too).
+- Without CaPE: a chain of ``gamma`` tokens, greedy or sampled from the draft's distribution, verified by
+  standard speculative sampling.
+
+Greedy output equals ``ar``'s token for token either way.
+
+Where CaPE here differs from the paper, and why:
+
+- one threshold and a fixed number of extra candidates (``cape_threshold``, ``cape_k``), and the default 0.5 is
+  this harness's choice, not a value from the paper: below it the draft's top-1 is more likely wrong than right
+  (the distilled draft's confidence is calibrated here, README: confidence-gated drafting), so that is where
+  one more candidate, one more token for the target to score, is most likely to pay;
+- siblings are leaves: the chain goes on under the top-1 token only, so the draft runs ``gamma`` forwards per
+  step whatever CaPE adds, and the target scores at most ``gamma * (1 + cape_k)`` tokens (on a CPU a wider
+  target forward is not free).
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field, model_validator
+from transformers import DynamicCache
+
+from bench.counting import truncate_cache
+from bench.errors import BenchError
+from bench.registry import register
+from decoding.sampling import probs_from_logits, sample
+from decoding.teacher import kv_layer
+from decoding.tree import Tree
+from methods._glide_draft import (
+    CountedGlide,
+    GlideRecipe,
+    decode_visible,
+    load_or_train_glide,
+)
+from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+
+
+class GlideSettings(MethodSettings):
+    """GliDe with CaPE's settings (``method.*``)."""
+
+    gamma: int = Field(4, ge=1, description="tokens drafted per target call (the depth of the proposal)")
+    cape: bool = Field(True, description="CaPE: add the draft's next-best tokens as candidates where it is unsure")
+    cape_threshold: float = Field(0.5, ge=0, le=1, description="CaPE expands a draft position whose top-1 "
+                                  "probability is below this (0.5: where the draft's own guess is more likely "
+                                  "wrong than right)")
+    cape_k: int = Field(1, ge=1, description="CaPE: extra candidates per expanded position (each one more token "
+                        "the target scores)")
+    recipe: GlideRecipe = Field(default_factory=GlideRecipe, description="how the draft is trained")
+
+    @model_validator(mode="after")
+    def gamma_within_block(self):
+        if self.gamma > self.recipe.block:
+            raise ValueError(f"gamma ({self.gamma}) must not exceed recipe.block ({self.recipe.block}): the draft is "
+                             "trained to draft at most that many positions past the target's cache.")
+        return self
+
+
+@register("glide")
+class Glide(DraftVerify):
+    lossless = True  # every candidate is verified by the target: greedy output equals ar's
+    hidden = False  # the draft reads the target's KV cache, not its hidden states
+    Config = GlideSettings
+
+    def __init__(self, cfg, pair):
+        super().__init__(cfg, pair)
+        self.draft: CountedGlide | None = None
+        self.report: dict = {}
+
+    @classmethod
+    def trains(cls, pair_spec) -> bool:
+        return True  # the draft
+
+    @classmethod
+    def check_recipe(cls, settings, recipe) -> None:
+        block, seq_len = settings.recipe.block, recipe.store.seq_len
+        if seq_len <= block:
+            raise BenchError(f"method={cls.name} trains on blocks of method.recipe.block={block} positions, the first "
+                             f"of which sees none of the target; recipe.store.seq_len={seq_len} must be longer.")
+
+    def setup(self, train_if_missing: bool = True) -> None:
+        target = self.pair.target.module
+        self.layer = kv_layer(target.config, int(self.cfg.recipe.layer), "method.recipe.layer")
+        draft, self.report = load_or_train_glide(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher,
+                                                 train_if_missing)
+        self.draft = self.pair.add(CountedGlide(draft.to(device=self.pair.device, dtype=self.pair.dtype)))
+        self.embed = target.get_input_embeddings()
+        self.vocab_map = self.draft.module.vocab_map
+
+    # ------------------------------------------------------------------------------------------- the loop
+
+    def start(self, st: Decoding) -> None:
+        if self.draft is None:
+            self.setup(train_if_missing=False)
+        self.cache = DynamicCache()  # the draft's own: one entry per position it has read
+        st.track(self.cache)
+        self.past, self.chain_nodes = 0, [0]  # this step's pending position, and the tree nodes of its chain
+        self.candidates: list[int] = []
+        self.expanded: list[int] = []
+
+    def read(self, st: Decoding, tokens: list[int]) -> torch.Tensor:
+        """Feed the draft ``tokens`` at the positions after its cache's, glimpsing the target's cache of the
+        committed positions < p; returns the logits ``(V',)`` of the token after the last."""
+        p = st.cache.get_seq_length()
+        cached = st.cache.layers[self.layer]
+        start = self.cache.get_seq_length()
+        positions = torch.arange(start, start + len(tokens), device=st.device)
+        # Tokens read late (the prompt, a fully accepted draft's last token) see the target as training showed
+        # them; the pending token and the drafted ones see all of the cache (None: no mask to build).
+        visible = decode_visible(positions, p, int(self.cfg.recipe.block))[None] if start < p else None
+        emb = self.embed(torch.tensor([tokens], device=st.device))
+        return self.draft(emb, positions, cached.keys, cached.values, visible, self.cache, rows=1)[0, -1]
+
+    def propose(self, st: Decoding) -> Draft:
+        k = min(int(self.cfg.gamma), st.room)
+        self.past, self.chain_nodes = st.cache.get_seq_length(), [0]  # the pending token's position; its node
+        if k <= 0:
+            return Draft(Tree(st.seq[-1]))
+        # The committed tokens the draft has not read (after a fully accepted draft: its last), then the pending one.
+        logits = self.read(st, st.seq[self.cache.get_seq_length() :])
+        draft = self.cape(st, logits, k) if self.cfg.cape else self.chain(st, logits, k)
+        self.candidates.append(len(draft.tree) - 1)
+        return draft
+
+    def accepted(self, st: Decoding, draft: Draft, path: list[int], hidden) -> None:
+        # The draft read the pending token and its chain at positions past, past + 1, ...; a path that left the
+        # chain at a CaPE sibling keeps only the entries before it (the commit dropped those past the text).
+        on_chain = next((i for i, (v, c) in enumerate(zip(path, self.chain_nodes)) if v != c), len(path))
+        truncate_cache(self.cache, self.past + on_chain)
+
+    def figures(self, st: Decoding) -> dict:
+        calls = len(self.candidates)
+        return {"cape": bool(self.cfg.cape),
+                # Tokens proposed per target call (the pending one not counted), and positions CaPE expanded.
+                "candidates_per_call": sum(self.candidates) / calls if calls else float("nan"),
+                "expanded_per_call": sum(self.expanded) / calls if calls and self.cfg.cape else float("nan")}
+
+    # ------------------------------------------------------------------------------------------- drafting
+
+    def chain(self, st: Decoding, logits: torch.Tensor, k: int) -> Draft:
+        """``k`` tokens, one draft forward each after the first: greedy, or sampled from the draft's distribution
+        (``q`` then holds it over the full vocabulary, zero outside the draft's)."""
+        tokens, qs = [], []
+        for i in range(k):
+            if st.sampling.greedy:
+                sub = logits.argmax(-1)
+            else:
+                q = probs_from_logits(logits, st.sampling)
+                sub = sample(q, st.generator)
+                qs.append(q.new_zeros(self.pair.target.module.config.vocab_size).index_copy_(0, self.vocab_map, q))
+            tokens.append(int(self.vocab_map[sub]))
+            if i + 1 < k:
+                logits = self.read(st, tokens[-1:])
+        self.chain_nodes = list(range(k + 1))  # a chain's nodes are its positions
+        return Draft.chain(st.seq[-1], tokens, torch.stack(qs) if qs else None)
+
+    def cape(self, st: Decoding, logits: torch.Tensor, k: int) -> Draft:
+        """CaPE: the draft's top-1 chain of ``k`` tokens; where its top-1 probability is below ``cape_threshold``,
+        its next ``cape_k`` tokens too, as siblings of that chain token (deterministic candidates: q = None)."""
+        tree, node, expanded = Tree(st.seq[-1]), 0, 0
+        width = min(1 + int(self.cfg.cape_k), logits.shape[-1])
+        for i in range(k):
+            top = torch.softmax(logits.float(), -1).topk(width)
+            ids = self.vocab_map[top.indices].tolist()
+            child = tree.add_child(node, ids[0])
+            if float(top.values[0]) < float(self.cfg.cape_threshold):
+                for tok in ids[1:]:
+                    tree.add_child(node, tok)
+                expanded += 1
+            node = child
+            self.chain_nodes.append(child)
+            if i + 1 < k:
+                logits = self.read(st, ids[:1])
+        self.expanded.append(expanded)
+        return Draft(tree)
