@@ -138,8 +138,9 @@ def test_too_little_disk_is_said_before_any_labelling(tiny_pair, tmp_path, count
 
 
 def test_every_trainer_reads_the_store_and_labels_nothing_itself(compose_cfg, tmp_path, monkeypatch):
-    """Once ``train store`` has run, the distilled draft, Medusa/Hydra heads, the SPRINTER verifier and EAGLE's
-    draft layer all train from it: labelling (the target's teacher-forced pass or its answers) would fail the test."""
+    """Once ``train store`` has run, the distilled draft, Medusa/Hydra/Amphista heads, the SPRINTER verifier, EAGLE's
+    draft layer, GliDe's draft and KOALA's heads all train from it: labelling (the target's teacher-forced pass or
+    its answers) would fail the test. (GliDe's keys and values are a pass over the stored ids, not labelling.)"""
     from omegaconf import OmegaConf
 
     from bench.models import load_pair
@@ -158,7 +159,7 @@ def test_every_trainer_reads_the_store_and_labels_nothing_itself(compose_cfg, tm
     monkeypatch.setattr(teacher, "target_answers", no_labelling)
     pair = load_pair(cfg)  # distils the draft from the store
     reports = {"draft": pair.draft.module is not None}
-    for name in ("medusa", "hydra", "hydra_pp", "amphista", "sprinter", "eagle"):
+    for name in ("medusa", "hydra", "hydra_pp", "amphista", "sprinter", "eagle", "glide"):
         method = get_method(name)(get_method(name).settings({"recipe": {"vocab": 64}} if name != "sprinter" else {}), pair)
         method.setup()
         reports[name] = method.report["recipe"]
@@ -167,7 +168,7 @@ def test_every_trainer_reads_the_store_and_labels_nothing_itself(compose_cfg, tm
         method.setup()
         reports[f"koala/{base}"] = method.report["recipe"]
     assert reports == {"draft": True, "medusa": "smoke", "hydra": "smoke", "hydra_pp": "smoke", "amphista": "smoke",
-                       "sprinter": "smoke",
+                       "sprinter": "smoke", "glide": "smoke",
                        "eagle": "smoke", "koala/medusa": "smoke", "koala/eagle": "smoke"}
 
 
