@@ -120,6 +120,9 @@ class TreeHeadsMethod(DraftVerify):
 
     @classmethod
     def check_recipe(cls, settings, recipe) -> None:
+        if not recipe.store.hidden:
+            raise BenchError(f"method={cls.name} reads the target's hidden states, which recipe.store.hidden=false "
+                             "does not keep.")
         K = settings.recipe.num_heads
         if recipe.store.seq_len <= K + 1:
             raise BenchError(f"recipe.store.seq_len ({recipe.store.seq_len}) must exceed method.recipe.num_heads + 1 "

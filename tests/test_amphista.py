@@ -104,3 +104,4 @@ def test_bad_settings_raise_one_sentence(compose_cfg, over, words):
     cfg.method = OmegaConf.merge(cfg.method, over)
     with pytest.raises(BenchError, match=words):
         validate(cfg)
+

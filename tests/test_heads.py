@@ -253,3 +253,12 @@ def test_typical_acceptance_breaks_ties_by_likelihood():
     logits[0, 1], logits[0, 2] = 1.0, 0.0
     path, _ = typical_path(tree, logits, Sampling(1.0, 1.0), torch.Generator().manual_seed(0), 0.09, 0.3)
     assert path == [0, 1]
+
+
+@pytest.mark.parametrize("name", ["medusa", "hydra", "hydra_pp", "amphista"])
+def test_heads_need_the_stores_hidden_states(name, capsys):
+    """Said before any model loads, as for eagle and koala."""
+    from bench.__main__ import main
+
+    assert main(["run", "pair=tiny", f"method={name}", "recipe.store.hidden=false"]) == 2
+    assert f"method={name} reads the target's hidden states" in capsys.readouterr().err
