@@ -19,6 +19,9 @@ def matmul_weights(module: nn.Module) -> int:
     for sub in module.modules():
         if isinstance(sub, nn.Linear) or type(sub).__name__ == "Conv1D":
             total += sub.weight.numel()
+        elif isinstance(sub, nn.MultiheadAttention):  # its query/key/value projection is a bare parameter
+            total += sum(w.numel() for w in (sub.in_proj_weight, sub.q_proj_weight, sub.k_proj_weight,
+                                             sub.v_proj_weight) if w is not None)
     return total
 
 

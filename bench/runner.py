@@ -7,6 +7,7 @@ ratios of those paired measurements, taken in the same run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import resource
@@ -59,9 +60,10 @@ def clocked(device: torch.device, fn, *args, **kwargs):
 
 
 def timed_decode(method, pair: Pair, prompt_ids: torch.Tensor, max_new: int, sampling: Sampling, seed: int) -> dict:
-    """Decode once under the clock; returns the method's output, the timings and the per-role counts."""
+    """Decode once under the clock; returns the method's output, the timings and the per-role counts (of the
+    method's own role table, :func:`build_methods`)."""
     device = pair.device
-    pair.reset_counts()
+    method.pair.reset_counts()
     generator = torch.Generator(device=device).manual_seed(seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -82,7 +84,7 @@ def timed_decode(method, pair: Pair, prompt_ids: torch.Tensor, max_new: int, sam
         "decoded": decoded,
         "wall_s": end - start,
         "ttft_s": (first[0] if first else end) - start,
-        "counts": pair.counts(),
+        "counts": method.pair.counts(),
         "peak_mem_bytes": peak_memory(device),
     }
 
@@ -133,7 +135,9 @@ def build_methods(cfg: DictConfig, mcfgs: dict[str, DictConfig], pair: Pair) -> 
     """The baseline (if any) and the method under test, set up (trained if missing) before any clock runs."""
     built = {}
     for name, mcfg in mcfgs.items():
-        built[name] = get_method(name)(mcfg, pair)
+        # Each its own role table over the shared models: amphista and its baseline medusa both count "heads",
+        # and one registering it must not take the other's counts away.
+        built[name] = get_method(name)(mcfg, dataclasses.replace(pair, roles=dict(pair.roles)))
         built[name].setup(train_if_missing=cfg.train_if_missing)
     return built
 

@@ -462,7 +462,9 @@ class KVStore:
 
 def kv_artifact(target, store: TeacherStore, j: int, layer: int) -> Artifact:
     """The target's keys and values of ``layer`` over shard ``j`` of ``store`` (its stored ids, teacher-forced
-    again: the answers are not regenerated), as an artifact beside the store, keyed by the shard's key."""
+    again: the answers are not regenerated), as an artifact beside the store, keyed by the shard's key and the
+    ids themselves (a shard rebuilt under the same key, say by a new version of the store or answers generated
+    elsewhere, never meets keys and values of other ids)."""
 
     def build(folder: Path) -> dict:
         ids = torch.from_numpy(np.array(store.shards[j]["ids"])).long()  # a copy: the shard is read-only
@@ -477,7 +479,9 @@ def kv_artifact(target, store: TeacherStore, j: int, layer: int) -> Artifact:
     def load(folder: Path) -> dict[str, np.ndarray]:
         return {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in ("k", "v")}
 
-    return Artifact("teacher", f"{store.folder.name}-kv/layer{layer}-{j:05d}", {"shard": store.keys[j], "layer": layer},
+    ids = hashlib.sha256(np.ascontiguousarray(store.shards[j]["ids"]).tobytes()).hexdigest()[:16]
+    return Artifact("teacher", f"{store.folder.name}-kv/layer{layer}-{j:05d}",
+                    {"shard": store.keys[j], "ids": ids, "layer": layer},
                     build, load, description=f"target keys and values of layer {layer}, teacher store shard {j}",
                     hint="run 'python -m bench train method' for the method that reads them, with the same pair= and "
                          "recipe= (or train_if_missing=true)")

@@ -72,9 +72,10 @@ class AutoEmbedding(nn.Module):
         super().__init__()
         hidden = target_config.hidden_size
         self.position = nn.Parameter(torch.zeros(num_heads, hidden))
-        self.layer = nn.TransformerEncoderLayer(
-            hidden, target_config.num_attention_heads, target_config.intermediate_size, dropout=0.0,
-            activation="gelu", batch_first=True, norm_first=True)
+        # The target's MLP width (GPT-2's configs call it n_inner, None meaning 4 * hidden).
+        width = getattr(target_config, "intermediate_size", None) or getattr(target_config, "n_inner", None) or 4 * hidden
+        self.layer = nn.TransformerEncoderLayer(hidden, target_config.num_attention_heads, width, dropout=0.0,
+                                                activation="gelu", batch_first=True, norm_first=True)
         for linear in (self.layer.self_attn.out_proj, self.layer.linear2):
             nn.init.zeros_(linear.weight)
             nn.init.zeros_(linear.bias)

@@ -21,8 +21,11 @@ and drafts p+1, p+2, ..., every query seeing the target's keys of positions < p.
 GliDe's block-wise mask (as in the authors' LongSpec code): sequences are cut into blocks of ``recipe.block``
 positions (a random phase per batch, so every alignment is seen) and a query in the block that starts at b sees
 the target at positions < b only; a query that sees nothing gets a zero cross-attention output. Decoding uses
-the same rule, the block aligned to start at p (:func:`decode_visible`), so the draft never meets a view it was
-not trained on as long as ``gamma <= recipe.block``.
+the same rule, the block aligned to start at p (:func:`decode_visible`), so a one-block draft never meets a view
+it was not trained on as long as ``gamma <= recipe.block``. With more blocks it can: a later block's
+self-attention reads earlier positions' states as computed at their own step, and decoding advances by the
+accepted length, not by whole blocks, so those states mix alignments training never shows (not a matter of
+losslessness, only of acceptance).
 
 Where this differs from the paper, and why:
 
@@ -33,8 +36,9 @@ Where this differs from the paper, and why:
   CPU the full head would cost a small draft more than its blocks (candidates outside it are never proposed;
   verification stays lossless);
 - initialisation (``recipe.init: target``, default): the blocks start from the target's last layers and each
-  cross-attention from the read layer's own query and output projections and input norm, whose queries were
-  made to meet exactly those keys, so an untrained draft already attends where the target's layer L does.
+  cross-attention from the read layer's own query and output projections and input norm, projections made
+  to meet exactly those keys (a starting point, not a trained draft: untrained, it agrees with the target 0.4%
+  of the time).
   GliDe starts from a small pretrained draft model, the LongSpec reference layer from random weights
   (``init: random``); here there is no small pretrained model of the target's family, and 10^5 teacher tokens
   are few to learn attention from scratch;
@@ -314,12 +318,13 @@ def train_glide(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
     draft.eval()
     answers = [i for i in range(len(held)) if held.kind(i) == "answers"]
     labels = store_data(held, ("idx", "mask"))
+    # Draft token i + 1 when the ones before it were right (the view of position i of a block); i = 0 is the first.
+    by_offset = [glide_agreement(draft, held, held_kv, embed, bs, i, device=device) for i in range(block)]
     report.update(
-        agreement_after=glide_agreement(draft, held, held_kv, embed, bs, device=device),
+        agreement_after=by_offset[0],
         # On the target's own held-out answers: the kind of text a greedy decode drafts for.
         answer_agreement=glide_agreement(draft, held, held_kv, embed, bs, rows=answers, device=device) if answers else None,
-        # Draft token i + 1 when the ones before it were right (the view of position i of a block).
-        agreement_by_offset=[glide_agreement(draft, held, held_kv, embed, bs, i, device=device) for i in range(block)],
+        agreement_by_offset=by_offset,
         layers=int(recipe.layers),
         layer=layer,
         block=block,

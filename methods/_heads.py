@@ -270,6 +270,14 @@ def fp32_eval(target):
     return target.eval()
 
 
+def check_store_keeps_hidden(method: str, recipe) -> None:
+    """A method whose trained part reads the target's stored hidden states needs a store that keeps them: said
+    before any model loads (``check_recipe``)."""
+    if not recipe.store.hidden:
+        raise BenchError(f"method={method} reads the target's hidden states, which recipe.store.hidden=false does "
+                         "not keep.")
+
+
 def feature_stores(target, tokenizer, teacher: Teacher, who: str):
     """The run's train and held-out teacher stores for a trainer that reads the stored hidden states (heads,
     EAGLE's draft layer); ``who`` starts the sentence that says so when the store keeps none."""

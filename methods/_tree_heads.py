@@ -34,6 +34,7 @@ from methods._heads import (
     CountedHeads,
     CountedPrefix,
     HeadsRecipe,
+    check_store_keeps_hidden,
     load_or_train_heads,
 )
 from methods.base import Decoding, Draft, DraftVerify, MethodSettings
@@ -120,9 +121,7 @@ class TreeHeadsMethod(DraftVerify):
 
     @classmethod
     def check_recipe(cls, settings, recipe) -> None:
-        if not recipe.store.hidden:
-            raise BenchError(f"method={cls.name} reads the target's hidden states, which recipe.store.hidden=false "
-                             "does not keep.")
+        check_store_keeps_hidden(cls.name, recipe)
         K = settings.recipe.num_heads
         if recipe.store.seq_len <= K + 1:
             raise BenchError(f"recipe.store.seq_len ({recipe.store.seq_len}) must exceed method.recipe.num_heads + 1 "
@@ -176,7 +175,8 @@ class TreeHeadsMethod(DraftVerify):
         """``shape`` with its tokens proposed by the heads.
 
         Args:
-            hidden: ``(hidden,)`` the heads' input at the last committed position (:meth:`heads_input`).
+            hidden: the heads' input at the last committed position (:meth:`heads_input`): ``(hidden,)``, or
+                Amphista's ``(stages, hidden)``.
             pending: the target's token after it (the root).
         """
         raise NotImplementedError

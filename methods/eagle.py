@@ -29,11 +29,11 @@ from pydantic import Field
 from transformers import DynamicCache
 
 from bench.counting import truncate_cache
-from bench.errors import BenchError
 from bench.registry import register
 from decoding.sampling import probs_from_logits, sample
 from decoding.tree import Tree, additive_mask
 from methods._eagle_draft import CountedEagle, EagleRecipe, load_or_train_eagle
+from methods._heads import check_store_keeps_hidden
 from methods.base import Decoding, Draft, DraftVerify, MethodSettings
 
 
@@ -67,9 +67,7 @@ class Eagle(DraftVerify):
 
     @classmethod
     def check_recipe(cls, settings, recipe) -> None:
-        if not recipe.store.hidden:
-            raise BenchError(f"method={cls.name} reads the target's hidden states, which recipe.store.hidden=false "
-                             "does not keep.")
+        check_store_keeps_hidden(cls.name, recipe)
 
     def setup(self, train_if_missing: bool = True) -> None:
         target = self.pair.target.module

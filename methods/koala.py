@@ -23,11 +23,10 @@ from typing import Literal
 from omegaconf import OmegaConf
 from pydantic import Field, model_validator
 
-from bench.errors import BenchError
 from bench.registry import register
 from methods._adversarial import AdversaryRecipe
 from methods._eagle_draft import EagleRecipe
-from methods._heads import HeadsRecipe
+from methods._heads import HeadsRecipe, check_store_keeps_hidden
 from methods._tree_heads import TreeHeadsSettings
 from methods.base import Method, MethodSettings
 from methods.eagle import Eagle, EagleSettings
@@ -85,9 +84,7 @@ class Koala(Method):
 
     @classmethod
     def check_recipe(cls, settings: KoalaSettings, recipe) -> None:
-        if not recipe.store.hidden:
-            raise BenchError("method=koala reads the target's hidden states, which recipe.store.hidden=false does "
-                             "not keep.")
+        check_store_keeps_hidden("koala", recipe)  # before the base's, which would name the base
         BASES[settings.base].check_recipe(getattr(settings, settings.base), recipe)
 
     @property

@@ -20,6 +20,22 @@ def test_baseline_gets_its_own_full_method_config(compose_cfg, tmp_path):
     assert all(r["matches_baseline"] for r in records if r["method"] == "pld")  # both lossless, greedy
 
 
+def test_a_method_and_its_baseline_count_their_own_parts(compose_cfg, tmp_path):
+    """``method=amphista baseline=medusa``: both register a ``heads`` role; each record counts its own method's
+    heads (medusa's calls were lost to amphista's role once), and amphista's adaptation layers only in its own."""
+    from bench.runner import run
+
+    cfg = compose_cfg("pair=tiny", "method=amphista", "baseline=medusa", "max_new_tokens=10", "dataset.n_prompts=2",
+                      "warmup=0", "recipe=smoke", f"cache_dir={tmp_path / 'cache'}")
+    cfg.method.recipe.vocab = cfg.method.recipe.batch_size = 64
+    run(cfg, tmp_path / "run")
+    records = read_records(tmp_path / "run" / "records.jsonl")
+    assert sorted(r["method"] for r in records) == ["amphista", "amphista", "medusa", "medusa"]
+    for r in records:
+        assert r["calls"]["heads"] > 0 and r["flops"]["heads"] > 0
+        assert (r["calls"].get("adapt", 0) > 0) == (r["method"] == "amphista")
+
+
 def test_declared_settings_inherit():
     """hydra_pp's settings extend hydra's declaration (a subclass): its own recipe defaults, hydra's tree."""
     from bench.registry import get_method
