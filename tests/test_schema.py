@@ -176,6 +176,19 @@ def test_describe_type_reads_the_declaration():
     assert describe_type(RunSettings.model_fields["threads"]) == "an integer >= 1 or null"
 
 
+def test_the_readme_names_every_method():
+    """The README's row of the ``method`` group lists every shipped method (it is written by hand; methods
+    registered from elsewhere, like the README's own example, are not shipped)."""
+    from pathlib import Path
+
+    from bench.registry import get_method, known_methods
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `method` |"))
+    shipped = [name for name in known_methods() if get_method(name).__module__.startswith("methods.")]
+    assert len(shipped) >= 13 and [name for name in shipped if f"`{name}`" not in row] == []
+
+
 def test_the_readme_table_is_shows_output(capsys):
     """The README's table of top-level settings is what ``python -m bench show`` prints: it cannot drift."""
     from pathlib import Path
