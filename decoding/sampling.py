@@ -44,6 +44,19 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
+def draft_token(logits: torch.Tensor, vocab_map: torch.Tensor, vocab_size: int, sampling: Sampling,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A draft's token from its ``logits (V',)`` over a reduced vocabulary ``vocab_map (V',)`` (full-vocabulary
+    ids): the argmax when greedy, else a sample. Returns the token's full-vocabulary id (a 0-dim ``LongTensor``)
+    and, when sampled, the distribution it was drawn from over the full vocabulary, ``q (vocab_size,)``, zero
+    outside the draft's (what speculative sampling verifies against); ``None`` when greedy."""
+    if sampling.greedy:
+        return vocab_map[logits.argmax(-1)], None
+    q = probs_from_logits(logits, sampling)
+    sub = sample(q, generator)
+    return vocab_map[sub], q.new_zeros(vocab_size).index_copy_(0, vocab_map, q)
+
+
 def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
     """Greedy argmax or a sample. ``logits``: ``(..., vocab)`` -> ``LongTensor`` ``(...)``."""
     if sampling.greedy:

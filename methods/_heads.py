@@ -384,7 +384,6 @@ def train_heads(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teach
     vocab_map = store_vocab(tokenizer, cols, int(recipe.vocab), target.config.vocab_size)
     to_sub = sub_index(vocab_map, target.config.vocab_size).to(device)
 
-    out_rows = target.get_output_embeddings().weight.data[vocab_map.to(device)]
     heads = new_heads(kind, target.config, K, vocab_map, int(recipe.get("layers", 1)), int(recipe.get("stages", 0)))
     heads = heads.to(device)
     heads.init_from(target)
@@ -393,7 +392,7 @@ def train_heads(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teach
     adversary = Adversary(len(vocab_map), AdversaryRecipe(**adversarial), device) if adversarial else None
     if recipe.loss == "teacher" or adversary is not None:  # the target's own output rows over the heads' vocabulary, frozen
         teacher_head = nn.Linear(target.config.hidden_size, len(vocab_map), bias=False).to(device).requires_grad_(False)
-        teacher_head.weight.data.copy_(out_rows)
+        teacher_head.weight.data.copy_(target.get_output_embeddings().weight.data[vocab_map.to(device)])
     prefix = PrefixLayer.from_target(target).to(device) if recipe.get("prefix_layer", False) else None
     modules = [heads] + ([prefix] if prefix is not None else [])
     report = {"agreement_before": head_agreement(heads, held, embed, bs, prefix, device)}

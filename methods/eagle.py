@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 from bench.counting import truncate_cache
 from bench.registry import register
-from decoding.sampling import probs_from_logits, sample
+from decoding.sampling import draft_token
 from decoding.tree import Tree, additive_mask
 from methods._eagle_draft import CountedEagle, EagleRecipe, load_or_train_eagle
 from methods._heads import check_store_keeps_hidden
@@ -123,14 +123,11 @@ class Eagle(DraftVerify):
         """``k`` tokens, one draft forward each after the first: greedy, or sampled from the draft's
         distribution (``q`` then holds it over the full vocabulary, zero outside the draft's)."""
         tokens, qs = [], []
+        vocab = self.pair.target.module.config.vocab_size
         for i in range(k):
-            if st.sampling.greedy:
-                sub = logits.argmax(-1)
-            else:
-                q = probs_from_logits(logits, st.sampling)
-                sub = sample(q, st.generator)
-                qs.append(q.new_zeros(self.pair.target.module.config.vocab_size).index_copy_(0, self.vocab_map, q))
-            tokens.append(self.vocab_map[sub])
+            token, q = draft_token(logits, self.vocab_map, vocab, st.sampling, st.generator)
+            tokens.append(token)
+            qs += [q] if q is not None else []
             if i + 1 < k:  # the draft reads its own guess and its token: a plain causal step
                 out, logits = self.draft(feat[None, None], self.embed(tokens[-1])[None, None], self.cache, rows=1)
                 feat, logits = out[0, -1], logits[0, -1]

@@ -37,7 +37,7 @@ from transformers import DynamicCache
 from bench.counting import truncate_cache
 from bench.errors import BenchError
 from bench.registry import register
-from decoding.sampling import probs_from_logits, sample
+from decoding.sampling import draft_token
 from decoding.teacher import kv_layer
 from decoding.tree import Tree
 from methods._glide_draft import (
@@ -156,14 +156,11 @@ class Glide(DraftVerify):
         """``k`` tokens, one draft forward each after the first: greedy, or sampled from the draft's distribution
         (``q`` then holds it over the full vocabulary, zero outside the draft's)."""
         tokens, qs = [], []
+        vocab = self.pair.target.module.config.vocab_size
         for i in range(k):
-            if st.sampling.greedy:
-                sub = logits.argmax(-1)
-            else:
-                q = probs_from_logits(logits, st.sampling)
-                sub = sample(q, st.generator)
-                qs.append(q.new_zeros(self.pair.target.module.config.vocab_size).index_copy_(0, self.vocab_map, q))
-            tokens.append(int(self.vocab_map[sub]))
+            token, q = draft_token(logits, self.vocab_map, vocab, st.sampling, st.generator)
+            tokens.append(int(token))
+            qs += [q] if q is not None else []
             if i + 1 < k:
                 logits = self.read(st, tokens[-1:])
         self.chain_nodes = list(range(k + 1))  # a chain's nodes are its positions
