@@ -73,7 +73,11 @@ class CountedModule(Counted):
 
 
 def truncate_cache(cache, length: int) -> None:
-    """Roll a KV cache back to its first ``length`` positions (rejected drafts are dropped, not recomputed)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)  # transformers >= 5 takes the number of positions to remove, negated
+    """Roll a KV cache back to its first ``length`` positions (rejected drafts are dropped, not recomputed).
+
+    Layer by layer: after a layer-skipping draft (SWIFT) the skipped attention layers hold fewer positions
+    than the others, and transformers' ``Cache.crop`` removes the same number from every layer."""
+    for layer in cache.layers:
+        extra = layer.get_seq_length() - length
+        if extra > 0:
+            layer.crop(-extra)  # transformers >= 5 takes the number of positions to remove, negated

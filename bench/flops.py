@@ -10,6 +10,8 @@ new tokens), which is also what ``torch.utils.flop_counter.FlopCounterMode`` cou
 
 from __future__ import annotations
 
+import copy
+
 from torch import nn
 
 
@@ -42,6 +44,14 @@ class FlopFormula:
     def __init__(self, module: nn.Module, config=None):
         self.weights = matmul_weights(module)
         self.n_layer, self.d_attn = attention_width(config)
+
+    def without(self, modules, attention_layers: int) -> FlopFormula:
+        """This formula with ``modules`` (sub-layers a forward skips) and ``attention_layers`` attention layers
+        (those of them that attend) taken out: the cost of a layer-skipping forward (SWIFT's draft)."""
+        out = copy.copy(self)
+        out.weights = self.weights - sum(matmul_weights(m) for m in modules)
+        out.n_layer = self.n_layer - attention_layers
+        return out
 
     def __call__(self, new_tokens: int, kv_len: int) -> float:
         dense = 2 * self.weights * new_tokens

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from bench import metrics, quality, summary
+from bench.clock import clocked, sync
 from bench.data import encode, load_prompts
 from bench.models import Pair, load_pair
 from bench.registry import get_method
@@ -35,28 +36,11 @@ from decoding.sampling import Sampling
 log = logging.getLogger(__name__)
 
 
-def sync(device: torch.device) -> None:
-    """Wait for queued device work, so the clock reads when the work is really done."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def peak_memory(device: torch.device) -> int:
     """Peak bytes: CUDA allocator peak since the last reset; on CPU the process's peak RSS (a high-water mark)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def clocked(device: torch.device, fn, *args, **kwargs):
-    """``(fn(*args, **kwargs), seconds)`` under the harness clock: the device is synchronised before each read.
-    For code the harness does not drive step by step (e.g. transformers' own ``generate`` in scripts/)."""
-    sync(device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = fn(*args, **kwargs)
-    sync(device)
-    return out, time.perf_counter() - start
 
 
 def timed_decode(method, pair: Pair, prompt_ids: torch.Tensor, max_new: int, sampling: Sampling, seed: int) -> dict:
