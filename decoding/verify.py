@@ -181,11 +181,16 @@ def hub_plan(p: torch.Tensor, q: torch.Tensor) -> HubPlan:
     A non-hub token i is only in the pairs (i, a) and (a, i); the hub is in every pair. So each i first takes
     what it can of its own pairs' mass, those it leads first (as the paper's code does), and the hub takes what
     their refusals leave. Serving an i first never lowers the total (a unit more to i costs the hub at most a
-    unit), so this one greedy pass is the LP's optimum. Both ``(vocab,)``; q(a) < 1."""
+    unit), so this one greedy pass is the LP's optimum. Both ``(vocab,)``; q has a token besides its hub.
+
+    In float64 and normalised as :func:`draw_hub_pair`'s sampler normalises (x2 from q without a, over its own
+    sum): with a confident fp32 draft, 1 - q(a) is far from that sum (or 0), and a plan built on it would not
+    deliver p."""
+    p, q = p.double(), q.double() / q.double().sum()
     a = hub_token(q)
     lead = q.clone()
     lead[a] = 0  # Q(i, a)
-    behind = lead * (q[a] / (1 - q[a]))  # Q(a, i)
+    behind = lead * (q[a] / lead.sum())  # Q(a, i) = q(a) q(i) / (1 - q(a)), with 1 - q(a) as the sampler sees it
     via_lead = torch.minimum(p, lead)
     via_behind = torch.minimum(p - via_lead, behind)
     spare_behind, spare_lead = (behind - via_behind).sum(), (lead - via_lead).sum()  # pairs whose i was refused
@@ -259,10 +264,12 @@ def verify_hub(tree: Tree, target_logits: torch.Tensor, sampling: Sampling, gene
 def hub_acceptance(p: torch.Tensor, q: torch.Tensor) -> float:
     """P(SpecHub keeps one of its pair) at a node: 1 - sum_{i != a} (p(i) - q(i) / (1 - q(a)))+, where a is the
     hub. (The pair holding i has mass q(i) / (1 - q(a)); the hub always gets all of p(a).) With q(a) = 1: p(a)."""
+    p, q = p.double(), q.double() / q.double().sum()  # as hub_plan: the sampler's normalisation, in float64
     a = hub_token(q)
-    if float(q[a]) >= 1:
+    rest = torch.cat([q[:a], q[a + 1 :]]).sum()  # summed, not 1 - q(a): no cancellation for a confident draft
+    if float(rest) <= 0:
         return float(p[a])
-    over = (p - q / (1 - q[a])).clamp_min(0)
+    over = (p - q / rest).clamp_min(0)
     over[a] = 0
     return 1 - float(over.sum())
 

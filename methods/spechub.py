@@ -153,7 +153,7 @@ class SpecHub(DraftVerify):
         greedy). ``logits (vocab,)``: the draft's at the pending token."""
         if st.sampling.greedy:
             self.root_q, self.root_top = None, hub_token(logits)
-            return logits.topk(self.k).indices.tolist(), []
+            return logits.topk(min(self.k, logits.shape[-1])).indices.tolist(), []
         q = self.root_q = probs_from_logits(logits, st.sampling)
         self.root_top = hub_token(q)  # the hub, as draw_hub_pair and verify_hub find it
         if self.cfg.verifier == "rrs_wo":

@@ -12,7 +12,8 @@ itself with some of its intermediate attention and MLP sub-layers skipped, and v
   verifier needs for exactness). ONE target forward scores the tree; the shared lossless verifier keeps a
   path. ``widths: [1, 1, 1, 1]`` is a plain chain.
 - The skip set (``search``): ``online`` (the paper's default) starts from the alternating half of the layers
-  and searches during decoding: once a prompt has ``context_window + 1`` generated tokens, every decoding step
+  and searches during decoding: once a prompt has more than ``context_window + 1`` generated tokens (the
+  authors' condition), every decoding step
   (``search_every``) runs one search iteration on them before drafting, and the search's state carries over
   to the next prompts until it stops (:class:`methods._swift.SkipSearch`). Its time is inside those prompts'
   timed decodes, as in the paper, and each record says how much (``search_s``, under the harness clock).
@@ -129,11 +130,11 @@ class Swift(DraftVerify):
 
     def search_step(self, st: Decoding) -> None:
         """One iteration of the online search, on this prompt's first ``context_window + 1`` generated tokens."""
-        if self.window_cache is None:
-            self.window_cache = prompt_cache(st.cache, st.prompt_len)
         window = st.out[: int(self.cfg.context_window) + 1]
 
         def score(cand: SkipSet) -> float:
+            if self.window_cache is None:  # the prompt's KV, copied once per prompt (on the search's clock)
+                self.window_cache = prompt_cache(st.cache, st.prompt_len)
             self.search_lm.use(cand)
             return matchness(self.search_lm, self.window_cache, window)
 

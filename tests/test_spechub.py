@@ -95,6 +95,24 @@ def test_the_hub_plan_delivers_exactly_the_targets_distribution():
         assert float(plan.left[plan.hub]) < 1e-12  # the hub always gets all of p(hub)
 
 
+@pytest.mark.parametrize("gap", [15.0, 30.0])
+def test_the_plan_holds_for_a_confident_fp32_draft(gap):
+    """A draft sure of its top token in fp32: 1 - q(a) rounds far from (or to exactly) what the sampler
+    renormalises the other tokens by; the plan still delivers p exactly, and keeps a draft 70% of the time."""
+    q = torch.softmax(torch.tensor([gap, 0.0, 0.0]), 0)
+    p = torch.tensor([0.2, 0.8, 0.0])
+    plan, qd = hub_plan(p, q), q.double() / q.double().sum()
+    rest = qd[1:].sum()
+    out = plan.left.clone()
+    for i in (1, 2):  # the pairs as draw_hub_pair draws them: x1 ~ q; x2 = a, or x2 ~ q without a
+        for (x1, x2), mass in (((i, 0), qd[i]), ((0, i), qd[0] * qd[i] / rest)):
+            k1, k2 = hub_outcome(plan, x1, x2)
+            out[x1] += mass * k1
+            out[x2] += mass * k2
+    assert torch.allclose(out, p.double(), atol=1e-9), out
+    assert hub_acceptance(p, q) == pytest.approx(0.7, abs=1e-6)
+
+
 def test_the_hub_pair_is_drawn_from_its_joint_distribution():
     q = torch.tensor([0.1, 0.45, 0.0, 0.25, 0.2])
     g = torch.Generator().manual_seed(0)
