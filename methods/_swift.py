@@ -182,7 +182,7 @@ class SkipSearch:
 
     def report(self) -> dict:
         return {**self.best.as_dict(), "score": self.best_score, "iterations": self.iters,
-                "seconds": self.seconds, "stopped": self.stopped or "still searching"}
+                "search_s": self.seconds, "stopped": self.stopped or "still searching"}
 
 
 def n_layers_of(target: CountedLM) -> int:
@@ -251,6 +251,6 @@ def load_or_build_skip_set(pair, settings, n_layers: int, build_if_missing: bool
         return skip, report
 
     key = {"target": model_fingerprint(target.module), "search": {k: settings[k] for k in keys}}
-    art = Artifact("swift", "skip-set", key, build, load, description="swift skip set",
+    art = Artifact("swift", "skip-set", key, build, load, version=2, description="swift skip set",
                    hint="run with train_if_missing=true, or method.search=online")
     return load_or_build(art, pair.cache, build_if_missing)

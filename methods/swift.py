@@ -114,6 +114,7 @@ class Swift(DraftVerify):
             self.search_lm = self.pair.add(SkippingLM(self.pair.target, "search"))
         elif self.cfg.search == "cached":
             start, self.built = load_or_build_skip_set(self.pair, self.cfg, self.n_layers, train_if_missing)
+            self.report = self.built  # what `python -m bench train method method=swift method.search=cached` prints
         elif self.cfg.attn_skip is None and self.cfg.mlp_skip is None:
             start = SkipSet.alternating(self.n_layers)
         else:
@@ -217,7 +218,7 @@ class Swift(DraftVerify):
             "search_s": self.search_s,  # ... and their seconds (harness clock), part of this decode's wall time
             "search_score": search.best_score if search else self.built.get("score", float("nan")),
             "search_done": search.done if search else True,
-            "search_build_s": self.built.get("seconds", 0.0),  # cached: the one-off search before any timing
+            "search_build_s": self.built.get("search_s", 0.0),  # cached: the one-off search before any timing
             "drafted_per_call": ratio(sum(self.chain_lens), calls),  # the skipping target's chain, per target call
             "candidates_per_call": ratio(sum(self.candidates), calls),  # tree nodes the target scores, per call
         }
