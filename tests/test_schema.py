@@ -151,7 +151,8 @@ def test_valid_values_pass_and_are_typed():
     assert checked(compose(["dataset=gsm8k"]))[""].max_new_tokens == 256
     assert checked(compose(["dataset=gsm8k", "max_new_tokens=9"]))[""].max_new_tokens == 9
     assert checked(compose(["resume=2024"]))[""].resume == "2024"  # a folder named by a number is still text
-    assert sweep_jobs(["method=glob(s*)"]) == [["method=sd"], ["method=sprinter"]]  # as Hydra expands it
+    starting_with_s = [[f"method={m}"] for m in sorted(known_methods()) if m.startswith("s")]
+    assert len(starting_with_s) >= 2 and sweep_jobs(["method=glob(s*)"]) == starting_with_s  # as Hydra expands it
 
 
 @pytest.mark.parametrize("group", [*(f"method={m}" for m in known_methods()), "pair=tiny", "dataset=default", None])
