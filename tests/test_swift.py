@@ -123,3 +123,19 @@ def test_skip_flops_formula(pair):
     n_layer, d = lm.full.n_layer, lm.full.d_attn
     assert full - lm.formula(1, 10) == pytest.approx(saved + 4 * d * 10 * 1)
     assert n_layer == 3 and json.dumps(SkipSet((1,), ()).as_dict())
+
+
+def test_gpt2_layers_are_skipped_too(pair):
+    """GPT-2 keeps its layers in transformer.h and its attention in attn (bench/adapter.py): a random GPT-2 target
+    drafts for itself, online search included, and stays greedy-equal to ar."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from bench.counting import CountedLM
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=pair.target.module.config.vocab_size, n_embd=64, n_layer=4, n_head=4,
+                        n_positions=1024, eos_token_id=pair.tokenizer.eos_token_id)
+    gpt2 = dataclasses.replace(pair, target=CountedLM(GPT2LMHeadModel(config).eval(), "target"), roles={})
+    method = build(gpt2, "swift", context_window=4)
+    assert_greedy_equal_to_ar(method, prompts_for(gpt2, 2), max_new=24)
+    assert method.search.iters > 0 and method.draft_lm.skip.size >= 1
