@@ -37,11 +37,16 @@ def sublayer_name(layer: nn.Module, kind: str) -> str:
     raise BenchError(f"{type(layer).__name__} has no {kind} sub-layer where this harness looks.")
 
 
+def slots(model: nn.Module, attn: list[int], mlp: list[int]) -> list[tuple[nn.Module, str, str]]:
+    """``(layer, attribute, kind)`` of the attention of layers ``attn`` and of the MLP of layers ``mlp``."""
+    layers = decoder_layers(model)
+    return [(layers[i], sublayer_name(layers[i], kind), kind) for kind, ids in (("attn", attn), ("mlp", mlp))
+            for i in ids]
+
+
 def sublayers(model: nn.Module, attn: list[int], mlp: list[int]) -> list[nn.Module]:
     """The attention modules of layers ``attn`` and the MLPs of layers ``mlp``."""
-    layers = decoder_layers(model)
-    return ([getattr(layers[i], sublayer_name(layers[i], "attn")) for i in attn]
-            + [getattr(layers[i], sublayer_name(layers[i], "mlp")) for i in mlp])
+    return [getattr(layer, name) for layer, name, _ in slots(model, attn, mlp)]
 
 
 class Skipped(nn.Module):
@@ -59,18 +64,19 @@ class Skipped(nn.Module):
         return (zeros, None) if self.attention else zeros
 
 
+# Stateless and without parameters, so one of each stands in everywhere (not a new module per draft forward).
+SKIPPED = {"attn": Skipped(True), "mlp": Skipped(False)}
+
+
 @contextlib.contextmanager
 def skipping(model: nn.Module, attn: list[int], mlp: list[int]):
     """Within the block, ``model`` runs without the attention of layers ``attn`` and the MLP of layers ``mlp``
     (each layer's residual connection carries its input past them): SWIFT's draft model, the same weights."""
-    layers = decoder_layers(model)
     swapped = []
     try:
-        for kind, ids in (("attn", attn), ("mlp", mlp)):
-            for i in ids:
-                name = sublayer_name(layers[i], kind)
-                swapped.append((layers[i], name, getattr(layers[i], name)))
-                setattr(layers[i], name, Skipped(kind == "attn"))
+        for layer, name, kind in slots(model, attn, mlp):
+            swapped.append((layer, name, getattr(layer, name)))
+            setattr(layer, name, SKIPPED[kind])
         yield
     finally:
         for layer, name, module in swapped:
