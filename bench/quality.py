@@ -137,6 +137,9 @@ def record_quality(pair, rec: dict, base: dict | None) -> dict:
         if base is not None:
             q["reference_score_baseline"] = reference_score(base["category"], base["output_text"], base["reference"])[1]
     q["perplexity"] = perplexity(pair, rec["prompt_ids"], rec["output_ids"])
+    attribution = (rec.get("extra") or {}).get("attribution_rate")
+    if attribution is not None:  # a retrieval method's own count: output tokens copied from a cited source
+        q["attribution"] = attribution
     if base is not None:
         q["perplexity_baseline"] = perplexity(pair, base["prompt_ids"], base["output_ids"])
     pair.reset_counts()
@@ -166,4 +169,5 @@ def summarize_quality(records: list[dict]) -> dict:
         "rougeL_vs_reference_baseline": mean("reference_score_baseline", "rougeL"),
         "perplexity": metrics.median(q.get("perplexity") for q in qs),
         "perplexity_baseline": metrics.median(q.get("perplexity_baseline") for q in qs),
+        "attribution": mean("attribution"),
     }

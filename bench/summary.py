@@ -30,7 +30,7 @@ DISPLAY = ["label", "pair", "dataset", "category", "prompts", "new_tokens", "tok
            "speedup_iqr", "speedup_pooled", "mean_accepted", "alpha", "accept_by_position", "analytic_speedup",
            "target_calls_per_token", "gflops_per_token", "ttft_s", "matches_baseline", "tie_flips", "mismatches"]
 DISPLAY_QUALITY = ["token_agreement", "rougeL_vs_baseline", "exact_match", "rougeL_vs_reference", "perplexity",
-                   "perplexity_baseline"]
+                   "perplexity_baseline", "attribution"]
 SHOWN_POSITIONS = 5  # acceptance by position: the first few in the display form, all of them in csv
 
 

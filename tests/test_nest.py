@@ -109,6 +109,11 @@ def test_records_carry_quality_and_attribution(compose_cfg, tmp_path):
     assert len(mine) == 2 and all(r["lossless"] is False for r in mine)
     assert all({"token_agreement", "rougeL_vs_baseline", "perplexity"} <= set(r["quality"]) for r in mine)
     assert all(0 <= r["extra"]["attribution_rate"] <= 1 and "sources" in r["extra"] for r in mine)
+    assert all(r["quality"]["attribution"] == r["extra"]["attribution_rate"] for r in mine)
+    from bench.summary import display_table, run_summary
+
+    table = display_table(run_summary(tmp_path))
+    assert "attribution" in table.columns and table.loc[table["label"] == "ar", "attribution"].isna().all()
 
 
 def test_wiki_local_prompts_come_from_packaged_text(compose_cfg):
