@@ -99,6 +99,8 @@ class RecipeSettings(Settings):
     eagle_epochs: int = Field(6, ge=1, description="passes of EAGLE's draft layer over the teacher tokens (the "
                               "paper: 20)")
     glide_epochs: int = Field(2, ge=1, description="passes of GliDe's draft over the teacher tokens")
+    space_epochs: int = Field(1, ge=1, description="passes of SPACE's mask embeddings over the teacher tokens "
+                              "(each a backward pass through the frozen target)")
     store: StoreSettings = Field(default_factory=StoreSettings, description="what the teacher store holds")
 
     def budget(self, trainer: str) -> dict:
@@ -121,11 +123,11 @@ class RecipeSettings(Settings):
 # sized for ``python -m bench train all recipe=full`` in about an hour on 2 CPU cores (README: measured).
 RECIPES = {
     "smoke": RecipeSettings(name="smoke", tokens=4096, eval_tokens=1024, draft_epochs=1, heads_epochs=1,
-                            verifier_epochs=2, eagle_epochs=1, glide_epochs=1,
+                            verifier_epochs=2, eagle_epochs=1, glide_epochs=1, space_epochs=2,
                             store=StoreSettings(corpus="lee", seq_len=64, shard_sequences=16, answer_tokens=32, topk=8)),
     "quick": RecipeSettings(),
     "full": RecipeSettings(name="full", tokens=163840, eval_tokens=32768, draft_epochs=2, heads_epochs=1,
-                           verifier_epochs=8, eagle_epochs=8, glide_epochs=2),
+                           verifier_epochs=8, eagle_epochs=8, glide_epochs=2, space_epochs=1),
 }
 
 

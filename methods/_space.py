@@ -1,0 +1,267 @@
+"""SPACE's trained part: k mask-token input embeddings that make the frozen target semi-autoregressive.
+
+Mask j (j = 0 .. k-1), placed at position n + j after a context of n tokens (the last one at n - 1), is a
+placeholder for the unknown token x_{n+j}; the target's output there is read as a guess of x_{n+j+1}. The masks
+of one group attend to the context and causally to each other (mask j sees masks 0 .. j), never to anything
+after the context, so the target's own next token x_n (from position n - 1) and the k masks' guesses of
+x_{n+1} .. x_{n+k} come from ONE forward.
+
+Training (this harness's version of the paper's SAR-SFT, Sec. 3.1): the target is frozen and only the mask
+embeddings learn. From the teacher store's rows (teacher-forced text and the target's own answers), ``recipe.cuts``
+random cut points n per row; the row's prefix is run once without gradients (the target's KV cache of the
+whole row), then every cut's mask group in one forward over that cache under a block mask (group i sees the
+row's positions < n_i and its own earlier masks), and the loss is the cross-entropy of mask j's distribution
+against the target's stored top-k distribution at position n + j (its next-token distribution after x_{n+j},
+renormalised over the stored top-k): the distribution verification will compare the candidate with. The
+gradient reaches the embeddings through the frozen target; no weight of the target changes.
+
+Where this differs from the paper, and why:
+
+- the target's weights stay frozen (the paper fine-tunes the whole LLM, 2 epochs on Alpaca-GPT4 + LIMA, with
+  the AR loss kept on half the examples so its output does not change much): here the target must stay the
+  target, so decoding is lossless with respect to it, and its greedy output equals ``ar``'s;
+- k distinct mask embeddings by default (the paper's released recipe uses one [MASK] token for every mask,
+  ``mask_diff=false``; ``recipe.shared: true`` does that here): with the target frozen, the embeddings are the
+  only capacity there is, and distinct ones let each mask position learn its own offset;
+- labels: the target's own stored distribution (as every trainer here reads the teacher store), not the
+  training text's next tokens: it is what verification accepts;
+- initialisation: every embedding starts at the mean of the target's input embeddings (what transformers'
+  ``resize_token_embeddings`` gives a new token, which is how the paper adds its [MASK]).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from pydantic import Field
+from torch import nn
+from transformers import DynamicCache
+
+from bench.artifacts import (
+    Artifact,
+    load_or_build,
+    model_fingerprint,
+    recipe_key,
+    report_of,
+)
+from bench.counting import truncate_cache
+from decoding.teacher import Teacher, TeacherStore, tokenizer_key
+from decoding.training import TrainRecipe, fit
+from methods._heads import fp32_eval
+
+FIELDS = ("ids", "mask", "idx", "prob")  # what training reads of the store (no hidden states)
+
+
+class SpaceRecipe(TrainRecipe):
+    """How SPACE's mask embeddings are trained (cached under cache_dir/space/, keyed by the target, ``method.masks``,
+    this recipe, the tokenizer and the run's training recipe)."""
+
+    lr: float = Field(1.0e-2, gt=0, description="AdamW learning rate (one-cycle schedule): only k embedding "
+                      "vectors learn, so a prompt-tuning rate")
+    cuts: int = Field(16, ge=1, description="cut points (mask groups) per stored sequence per step, each k more "
+                      "positions through the target with gradients")
+    shared: bool = Field(False, description="one embedding for every mask position (the paper's single [MASK] "
+                         "token) instead of k distinct ones")
+
+
+class MaskEmbeddings(nn.Module):
+    """The k mask tokens' input embeddings: ``forward() -> FloatTensor (k, hidden)`` (one row repeated when shared)."""
+
+    def __init__(self, masks: int, hidden: int, shared: bool = False):
+        super().__init__()
+        self.masks = masks
+        self.weight = nn.Parameter(torch.zeros(1 if shared else masks, hidden))
+
+    @classmethod
+    def from_target(cls, target, masks: int, shared: bool = False) -> MaskEmbeddings:
+        """Every row at the mean of the target's input embeddings (a new token's start in the paper)."""
+        emb = target.get_input_embeddings().weight.detach().float()
+        out = cls(masks, emb.shape[1], shared)
+        with torch.no_grad():
+            out.weight.copy_(emb.mean(0).expand_as(out.weight))
+        return out
+
+    def forward(self) -> torch.Tensor:
+        return self.weight.expand(self.masks, -1)
+
+
+# --------------------------------------------------------------------------------------------- the forward
+
+
+def group_mask(cuts: torch.Tensor, masks: int, past: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention mask ``(B, 1, m*k, past + m*k)`` for ``m`` mask groups of ``k = masks`` over a cache of
+    ``past`` positions: the masks of group i (cut ``cuts[b, i]``) see the cached positions ``< cuts[b, i]`` and
+    their own group's masks up to themselves. ``cuts``: ``LongTensor (B, m)``."""
+    B, m = cuts.shape
+    n = m * masks
+    prefix = torch.arange(past, device=cuts.device)[None, None] < cuts.repeat_interleave(masks, 1)[..., None]
+    own = torch.block_diag(*[torch.ones(masks, masks, dtype=torch.bool, device=cuts.device).tril()] * m)
+    allowed = torch.cat([prefix, own.expand(B, n, n)], dim=-1)
+    out = torch.zeros(allowed.shape, dtype=dtype, device=cuts.device)
+    out.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return out[:, None]
+
+
+def row_cache(target, ids: torch.Tensor) -> DynamicCache:
+    """The target's KV cache of ``ids (B, T)`` (causal; right padding changes nothing before it), no gradients;
+    the output head is not run."""
+    cache = DynamicCache()
+    with torch.no_grad():
+        target.base_model(input_ids=ids, past_key_values=cache, use_cache=True)
+    return cache
+
+
+def group_logits(target, cache: DynamicCache, cuts: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+    """Mask logits ``(B, m, k, vocab)`` of the groups at ``cuts (B, m)`` over ``cache`` (the rows' positions),
+    embeddings ``emb (k, hidden)``; the cache is cropped back afterwards. Gradients reach ``emb`` when enabled."""
+    B, m = cuts.shape
+    k = emb.shape[0]
+    past = cache.get_seq_length()
+    x = emb.to(next(target.parameters()).dtype)[None, None].expand(B, m, k, -1).reshape(B, m * k, -1)
+    pos = (cuts[..., None] + torch.arange(k, device=cuts.device)).reshape(B, m * k)
+    mask = group_mask(cuts, k, past, x.dtype)
+    try:
+        out = target(inputs_embeds=x, past_key_values=cache, use_cache=True, position_ids=pos, attention_mask=mask)
+    finally:
+        truncate_cache(cache, past)  # the masks' keys and values never stay
+    return out.logits.view(B, m, k, -1)
+
+
+def random_cuts(mask: torch.Tensor, masks: int, per_row: int, generator: torch.Generator | None = None):
+    """``(cuts (B, m), valid (B, m))``: cut points n with the context x_0 .. x_{n-1} and the labels at n .. n+k-1
+    inside the row's text (``mask (B, T)``: text, then padding); a row too short for one group is not valid."""
+    length = mask.sum(-1, keepdim=True)  # (B, 1)
+    span = (length - masks).clamp_min(1)  # cuts in [1, length - k]
+    u = torch.rand(mask.shape[0], per_row, generator=generator).to(mask.device)
+    cuts = 1 + (u * span).long().clamp_max(span - 1)
+    return cuts, (length >= masks + 1).expand_as(cuts)
+
+
+def labels_at(batch: dict, cuts: torch.Tensor, masks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored top-k ``(idx, prob)``, each ``(B, m, k, topk)``, at positions ``cuts + j``: the target's next-token
+    distribution there, which mask j guesses."""
+    B, m = cuts.shape
+    pos = (cuts[..., None] + torch.arange(masks)).reshape(B, m * masks).clamp_max(batch["idx"].shape[1] - 1)
+    take = pos[..., None].expand(-1, -1, batch["idx"].shape[-1])
+    return (batch["idx"].gather(1, take).view(B, m, masks, -1), batch["prob"].gather(1, take).view(B, m, masks, -1))
+
+
+def space_loss(target, emb: MaskEmbeddings, batch: dict, cuts_per_row: int, generator=None) -> torch.Tensor:
+    """Mean over valid groups and mask positions of the cross-entropy of mask j's distribution against the
+    target's stored top-k distribution at n + j (renormalised)."""
+    k = emb.masks
+    cuts, valid = random_cuts(batch["mask"], k, cuts_per_row, generator)
+    cache = row_cache(target, batch["ids"])
+    logp = torch.log_softmax(group_logits(target, cache, cuts, emb()).float(), -1)  # (B, m, k, V)
+    idx, prob = labels_at(batch, cuts, k)
+    prob = prob / prob.sum(-1, keepdim=True).clamp_min(1e-9)
+    ce = -(prob * logp.gather(-1, idx)).sum(-1)  # (B, m, k)
+    w = valid[..., None].float().expand_as(ce)
+    return (ce * w).sum() / w.sum().clamp_min(1)
+
+
+@torch.no_grad()
+def agreement(target, emb: MaskEmbeddings, store: TeacherStore, batch_size: int, cuts_per_row: int,
+              seed: int = 0) -> dict:
+    """Held-out top-1 agreement of each mask with the target: the fraction of cuts n where mask j's greedy
+    token equals the target's greedy token after x_{n+j} (the chance that candidate j is right given that the
+    ones before it were), at ``cuts_per_row`` seeded cuts per row; on all rows and on the target's own answers."""
+    device = next(target.parameters()).device
+    k = emb.masks
+    gen = torch.Generator().manual_seed(seed)
+    hits = {"all": torch.zeros(k), "answers": torch.zeros(k)}
+    total = {"all": torch.zeros(1), "answers": torch.zeros(1)}
+    answers = torch.tensor([store.kind(i) == "answers" for i in range(len(store))])
+    for part in torch.arange(len(store)).split(batch_size):
+        batch = {n: t.to(device) for n, t in store.rows(part, FIELDS).items()}
+        cuts, valid = random_cuts(batch["mask"].cpu(), k, cuts_per_row, gen)
+        cuts, valid = cuts.to(device), valid.to(device)
+        guess = group_logits(target, row_cache(target, batch["ids"]), cuts, emb().to(device)).argmax(-1)
+        hit = (guess == labels_at(batch, cuts, k)[0][..., 0]) & valid[..., None]  # (B, m, k)
+        for name, rows in (("all", slice(None)), ("answers", answers[part].to(device))):
+            hits[name] += hit[rows].sum((0, 1)).float().cpu()
+            total[name] += valid[rows].sum().float().cpu()
+    return {name: ([round(float(h), 4) for h in hits[name] / total[name]] if total[name] > 0 else None)
+            for name in hits}
+
+
+class frozen:
+    """``with frozen(module):`` its parameters take no gradient inside (restored after): the embeddings' gradient
+    passes through the target, but none is built for its weights (a vocabulary-sized one for its embedding)."""
+
+    def __init__(self, module: nn.Module):
+        self.params = list(module.parameters())
+
+    def __enter__(self):
+        self.flags = [p.requires_grad for p in self.params]
+        for p in self.params:
+            p.requires_grad_(False)
+
+    def __exit__(self, *exc):
+        for p, flag in zip(self.params, self.flags):
+            p.requires_grad_(flag)
+
+
+def train_space(target, tokenizer, masks: int, recipe: DictConfig, teacher: Teacher) -> tuple[MaskEmbeddings, dict]:
+    """Train the ``masks`` mask embeddings through the frozen ``target`` from the teacher store; returns them (CPU,
+    fp32) and a report: held-out agreement per mask position before and after, on all text and on the target's
+    own answers."""
+    torch.manual_seed(int(recipe.seed))
+    target = fp32_eval(target)
+    device = next(target.parameters()).device
+    train, held = teacher.store(target, tokenizer, "train"), teacher.store(target, tokenizer, "test")
+    emb = MaskEmbeddings.from_target(target, masks, bool(recipe.shared)).to(device)
+    bs, cuts = int(recipe.batch_size), int(recipe.cuts)
+    with frozen(target):
+        report = {"agreement_before": agreement(target, emb, held, bs, cuts)["all"]}
+
+        def step(rows: torch.Tensor) -> torch.Tensor:
+            batch = {n: t.to(device) for n, t in train.rows(rows, FIELDS).items()}
+            return space_loss(target, emb, batch, cuts)
+
+        fit(list(emb.parameters()), lambda: torch.randperm(len(train)).split(bs), step,
+            epochs=int(teacher.recipe.space_epochs), steps_per_epoch=math.ceil(len(train) / bs), lr=float(recipe.lr),
+            desc=f"space: training {masks} mask embeddings through the frozen target")
+        after = agreement(target, emb, held, bs, cuts)
+    report.update(agreement_after=after["all"], answer_agreement=after["answers"], masks=masks,
+                  recipe=teacher.recipe.name, train_tokens=int(train.tokens))
+    return emb.cpu().eval(), report
+
+
+# --------------------------------------------------------------------------------------------- caching
+
+
+def space_artifact(target, tokenizer, masks: int, recipe: DictConfig, teacher: Teacher) -> Artifact:
+    """SPACE's mask embeddings of (target, masks, recipe, tokenizer, the run's training recipe): ``space.pt``."""
+    ident = model_fingerprint(target)
+    hidden = target.config.hidden_size
+
+    def build(folder: Path) -> dict:
+        emb, report = train_space(target, tokenizer, masks, recipe, teacher)
+        torch.save({"hidden": hidden, "masks": masks, "state": emb.state_dict()}, folder / "space.pt")
+        return report
+
+    def load(folder: Path) -> MaskEmbeddings:
+        blob = torch.load(folder / "space.pt", map_location="cpu", weights_only=True)
+        if blob["hidden"] != hidden or blob["masks"] != masks:
+            raise ValueError(f"it holds {blob['masks']} masks of size {blob['hidden']}, not {masks} of {hidden}")
+        emb = MaskEmbeddings(masks, hidden, blob["state"]["weight"].shape[0] == 1 and masks > 1)
+        emb.load_state_dict(blob["state"])
+        return emb.eval()
+
+    key = {"target": ident, "masks": masks, "recipe": recipe_key(recipe), "teacher": teacher.recipe.budget("space"),
+           **tokenizer_key(tokenizer)}
+    return Artifact("space", f"space-{ident['name']}", key, build, load,
+                    hint="run 'python -m bench train method method=space' with the same recipe= and method.masks=",
+                    description="SPACE mask embeddings")
+
+
+def load_or_train_space(target, tokenizer, masks: int, recipe: DictConfig, teacher: Teacher,
+                        train_if_missing: bool = True) -> tuple[MaskEmbeddings, dict]:
+    """The cached mask embeddings, trained first when missing and ``train_if_missing``; returns them (CPU, fp32)
+    and their training report."""
+    art = space_artifact(target, tokenizer, masks, recipe, teacher)
+    return load_or_build(art, teacher.cache, train_if_missing), report_of(art, teacher.cache)
