@@ -33,7 +33,8 @@ One step (ONE target forward):
 What was read: the abstract and the authors' code (github.com/gzhch/gsd, ``utils/graph_decoding.py``:
 ``TokenGraph.check_repetition`` for the merge rule, the breadth-first graph-to-tree conversion before the large
 model's forward, and the sweep in ``gsd.py``: top-k 4, repeat 0 / 1 / -1, prob_threshold 0.3 / 0.4,
-sibling_threshold 0.1-0.4). The defaults here are from that sweep; the paper's own choice could not be read.
+sibling_threshold 0.1-0.4). The defaults here are from that sweep (``max_depth`` 8 is this harness's: the
+script does not set the authors' max_step_draft); the paper's own choice could not be read.
 Deviations: (a) the authors' sampling mode accepts a draft token with probability min(1, p/q) and no residual
 (lossy); here the shared exact verifier. (b) A node may hold several merge links (the authors keep the last one).
 (c) A leaf's children are not drafted (the authors' development version still drafts them, marked as leaves,
