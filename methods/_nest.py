@@ -200,9 +200,10 @@ def check_folder(path: str) -> str | None:
     return None
 
 
-def open_given(path: str, pair) -> Datastore:
-    """The datastore folder ``path`` (``method.datastore``), refused in one sentence when damaged or built for
-    another target or tokenizer (its manifest's fingerprints differ from this pair's)."""
+def open_given(path: str, pair, settings: dict) -> Datastore:
+    """The datastore folder ``path`` (``method.datastore``), refused in one sentence when damaged, built for
+    another target or tokenizer (its manifest's fingerprints differ from this pair's), or from other build
+    ``settings`` (corpus, doc_tokens, passage_len) than the run names, which its records would then misstate."""
     from bench.artifacts import (
         model_fingerprint,
         problem,
@@ -224,6 +225,11 @@ def open_given(path: str, pair) -> Datastore:
         raise BenchError(f"method.datastore: the NEST datastore at {folder} was built for another target "
                          f"({have.get('name')}, weights {have.get('weights')}) than pair={pair.name}'s "
                          f"({want['name']}, weights {want['weights']}); its keys are another model's hidden states.")
+    differ = {k: key.get(k) for k, v in settings.items() if key.get(k) != v}
+    if differ:
+        built = ", ".join(f"method.{k}={v}" for k, v in differ.items())
+        raise BenchError(f"method.datastore: the NEST datastore at {folder} was built with {built}; run with the "
+                         "same settings or leave method.datastore unset to build one for these.")
     return load(folder)
 
 

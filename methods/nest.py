@@ -34,7 +34,13 @@ This harness's version:
 - The mixture's next token is taken from the row of the SAME target forward that verified the span: the row
   after the kept prefix, as in SD's bonus token. So one target forward per step scores the span and prepares
   the next one (the authors' loop runs a second forward for the proposal's first position). The prompt's first
-  new token comes from the base's prefill (the target alone); it is cited when the nearest retrieval agrees.
+  new token comes from the base's prefill (the target alone) and is not cited.
+- Citations: only tokens copied from a passage (a span's tokens, and the neighbour's token that starts a copy
+  when λ < δ) cite a source. A mixture token that merely equals a neighbour's is not counted as copied, and
+  starts no copy (an earlier version did both, which inflated attribution and copied when retrieval was not
+  trusted).
+- Sampling (temperature > 0): the run's temperature and top-p are applied to the mixture p_M (whose p_LM is
+  already tempered by ``lm_temperature``): the two temperatures compound.
 - Neighbours are ranked for span selection by their token's mixture probability (the paper's wording; the
   authors' code ranks by the LM's term), ties to the nearest.
 - Default span: 16 tokens per target call (the authors' demo proposes 64; a 65-token CPU forward costs several
@@ -117,7 +123,7 @@ class Nest(DraftVerify):
     def setup(self, train_if_missing: bool = True) -> None:
         cfg = self.cfg
         build = {"corpus": cfg.corpus, "doc_tokens": int(cfg.doc_tokens), "passage_len": int(cfg.passage_len)}
-        self.store = (open_given(cfg.datastore, self.pair) if cfg.datastore
+        self.store = (open_given(cfg.datastore, self.pair, build) if cfg.datastore
                       else load_or_build_datastore(self.pair, build, train_if_missing))
         self.report = self.store.report  # what `python -m bench train method method=nest` prints
         hidden = int(self.pair.target.module.config.hidden_size)
@@ -182,8 +188,8 @@ class Nest(DraftVerify):
             tok = int(p.argmax())
         else:
             tok = int(sample(probs_from_logits(p.clamp_min(1e-38).log(), st.sampling), st.generator))
-        # The mixture's own token cites the best neighbour when they agree (not after a rejection, as the authors).
-        return tok, (self.source(top) if kept_whole and tok == top_tok else None)
+        # The mixture's own token: not copied, so not cited (even when it equals a neighbour's), and no copy starts.
+        return tok, None
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -197,19 +203,9 @@ class Nest(DraftVerify):
         self.step_sources: list = []
         self.lams: list[float] = []
         self.gated = self.spans = self.spans_whole = self.span_tokens = self.span_kept = 0
-        # The prefill's token is the target's own; it is cited (and its text continued) when the nearest
-        # retrieval at the prompt's last position proposes the same token.
-        first = self.mixture(None, self.states[0][0, -1:])
-        self.first = self.source(int(first.top[0])) if int(first.top[0]) >= 0 else None
+        # The prefill's token is the target's own: not cited; copies start from the first verifying forward on.
 
     def propose(self, st: Decoding) -> Draft:
-        if self.first is not None:
-            doc, pos = self.first
-            self.first = None
-            if st.seq[-1] == int(self.store.doc_tokens(doc)[pos]):
-                self.sources[0] = (doc, pos)
-                self.index.drop(doc, pos)
-                self.plan = self.continuation(doc, pos)
         self.span = self.plan[: max(st.room, 0)]
         self.spans += bool(self.span)
         self.span_tokens += len(self.span)
