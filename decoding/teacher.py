@@ -120,7 +120,8 @@ class RecipeSettings(Settings):
 
 
 # The presets of ``recipe=NAME``. quick and full share one store (full appends to quick's shards); full is
-# sized for ``python -m bench train all recipe=full`` in about an hour on 2 CPU cores (README: measured).
+# sized for ``python -m bench train all recipe=full`` in about an hour on 2 CPU cores for the methods of issue 12;
+# with every trained method since, about 3 h (README: measured).
 RECIPES = {
     "smoke": RecipeSettings(name="smoke", tokens=4096, eval_tokens=1024, draft_epochs=1, heads_epochs=1,
                             verifier_epochs=2, eagle_epochs=1, glide_epochs=1, space_epochs=2,

@@ -1,8 +1,10 @@
 """Graph-structured speculative decoding (GSD; Gong et al., ACL Findings 2024, arXiv 2407.16207).
 
-The draft proposes several hypotheses, and hypotheses share token sequences: GSD keeps them in a directed acyclic
-graph (DAG) in which a recurring token is drafted once and then reached from every hypothesis that produces it,
-so the draft computes its continuations once. The target then verifies every path of the graph in ONE forward.
+The draft proposes several hypotheses, and hypotheses share token sequences: GSD keeps them in a graph (the paper's
+directed acyclic graph) in which a recurring token is drafted once and then reached from every hypothesis that
+produces it, so the draft computes its continuations once. The target then verifies every path of the graph in
+ONE forward. (The authors' merge rule can also link a node to one that leads back to it: a cycle, which the
+unrolling below bounds like any other path.)
 
 One step (ONE target forward):
 
@@ -148,7 +150,7 @@ class GSD(DraftVerify):
         self.graph: Graph | None = None
         self.origin: list[int] = []
         self.own: list[bool] = []
-        self.tally = {"graph_nodes": 0, "tree_nodes": 0, "merges": 0, "draft_forwards": 0, "steps": 0,
+        self.tally = {"graph_nodes": 0, "tree_nodes": 0, "copies": 0, "merges": 0, "draft_forwards": 0, "steps": 0,
                       "accepted_through_link": 0}
 
     # ------------------------------------------------------------------------------------------- drafting
@@ -175,6 +177,7 @@ class GSD(DraftVerify):
         t = self.tally
         t["graph_nodes"] += len(graph) - 1
         t["tree_nodes"] += len(tree) - 1
+        t["copies"] += self.own.count(False)  # nodes scored under a link: the draft did not compute them there
         t["merges"] += graph.merges
         t["draft_forwards"] += forwards
         return Draft(tree)
@@ -233,7 +236,7 @@ class GSD(DraftVerify):
         return {"graph_nodes_per_step": t["graph_nodes"] / steps,
                 "tree_nodes_per_step": t["tree_nodes"] / steps,
                 "merges_per_step": t["merges"] / steps,
-                # tokens the target scored that the draft did not compute: copies under merge links
-                "reused_nodes_per_step": (t["tree_nodes"] - t["graph_nodes"]) / steps,
+                # tokens the target scored that the draft did not compute in that context: copies under merge links
+                "reused_nodes_per_step": t["copies"] / steps,
                 "draft_forwards_per_step": t["draft_forwards"] / steps,
                 "steps_accepted_through_a_link": t["accepted_through_link"] / steps}

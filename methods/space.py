@@ -70,8 +70,8 @@ MASK = -1  # the token a mask slot holds in a layout's tree (its input is a trai
 class SpaceSettings(MethodSettings):
     """SPACE's settings (``method.*``)."""
 
-    masks: int = Field(5, ge=1, description="k: mask tokens per group, candidates verified per target call at most "
-                       "(the paper's 5); a call scores (k + 1)^2 tokens")
+    masks: int = Field(5, ge=1, le=15, description="k: mask tokens per group, candidates verified per target call at "
+                       "most (the paper's 5); a call scores (k + 1)^2 tokens (at most 256)")
     recipe: SpaceRecipe = Field(default_factory=SpaceRecipe, description="how the mask embeddings are trained")
 
 

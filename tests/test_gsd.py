@@ -110,11 +110,18 @@ def test_each_drafted_node_holds_the_drafts_top_tokens_after_its_own_path(good_p
             assert sorted(proposed) == sorted(top), v
 
 
+MERGING = {"sibling_ratio": 0.0, "top_k": 3, "leaf_prob": 0.0, "max_depth": 3, "max_nodes": 40}  # wide: merges happen
+
+
 @pytest.mark.parametrize("repeat", [0, 1, -1])
 def test_lossless_with_and_without_merging(good_pair, tiny_pair, looping_prompt, repeat):
     for pair in (tiny_pair, good_pair):
-        method = build(pair, "gsd", repeat=repeat, leaf_prob=0.05)
+        method = build(pair, "gsd", repeat=repeat, **MERGING)
         assert_greedy_equal_to_ar(method, prompts_for(pair, 2) + [looping_prompt])
+        merges = run(method, looping_prompt, 32).extra["merges_per_step"]
+        assert (merges > 0) if repeat >= 0 else (merges == 0)
+    # The sampler's check decodes a few tokens (a depth-1 tree, no links): that the unrolled tree, links and
+    # all, is verified exactly is verify_tree's exactness for deterministic candidates on any tree (test_tree.py).
     assert_sampling_is_the_targets(build(good_pair, "gsd", repeat=repeat, leaf_prob=0.05), looping_prompt)
 
 
@@ -123,14 +130,16 @@ def test_merges_are_scored_and_the_draft_cache_kept_right(good_pair, looping_pro
     nodes), a step is accepted through a link (so the draft re-reads what it computed in another context), one target forward per step, and afterwards the draft's cache equals one
     plain pass of the draft over the committed text."""
     pair = dataclasses.replace(good_pair, roles={})
-    method = build(pair, "gsd", repeat=0, sibling_ratio=0.0, top_k=3, leaf_prob=0.0, max_depth=3, max_nodes=40)
+    method = build(pair, "gsd", repeat=0, **MERGING)
     pair.reset_counts()
     out = run(method, looping_prompt, 40)
+    counts = pair.counts()
+    assert out.output_ids == run(build(pair, "ar"), looping_prompt, 40).output_ids
     e = out.extra
     assert e["merges_per_step"] > 0 and e["reused_nodes_per_step"] > 0
     assert e["steps_accepted_through_a_link"] > 0
-    assert pair.counts()["target"]["calls"] == len(out.accept_lengths) + 1
-    assert pair.counts()["draft"]["calls"] == 1 + method.tally["draft_forwards"]  # the prefill, then the levels
+    assert counts["target"]["calls"] == len(out.accept_lengths) + 1
+    assert counts["draft"]["calls"] == 1 + method.tally["draft_forwards"]  # the prefill, then the levels
     seq = looping_prompt + out.output_ids
     n = method.dcache.get_seq_length()
     assert len(looping_prompt) < n <= len(seq) - 1
