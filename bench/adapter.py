@@ -1,8 +1,19 @@
-"""Where a causal LM keeps its parts, for the methods that reach inside one (layer skipping, for now).
+"""Where a causal LM keeps its parts, for the methods and trainers that reach inside one (distilled drafts,
+draft bodies copied from the target, layer skipping, key capture, GliDe's glimpse of the target's keys).
 
-The families differ in names only: a Llama-style model (Llama, Qwen2, Mistral, Gemma, SmolLM2) keeps its
-decoder layers in ``model.model.layers`` with sub-layers ``self_attn`` and ``mlp``; GPT-2 in
-``model.transformer.h`` with ``attn`` and ``mlp``. Methods ask here instead of naming them.
+The families differ in names and in how positions enter:
+
+| family | decoder (``model.base_model``) | layers | attention | final norm | positions |
+|---|---|---|---|---|---|
+| Llama, Qwen2, Mistral, SmolLM2 | ``model.model`` | ``layers`` | ``self_attn`` | ``norm`` | rotary, in every attention |
+| Gemma | ``model.model`` | ``layers`` | ``self_attn`` | ``norm`` | rotary; its token embedding scales by sqrt(hidden) itself |
+| GPT-2 | ``model.transformer`` | ``h`` | ``attn`` (Conv1D) | ``ln_f`` | a learned table ``wpe`` added to the token embedding |
+
+Methods ask here instead of naming them. What needs no adapter: the input embedding and the output head
+(transformers' ``get_input_embeddings`` / ``get_output_embeddings`` hold for every family; Gemma's embedding module
+does its own scaling), positions in a plain forward after a cache rollback (every family counts them from the
+cache's length, GPT-2 included) and in a token tree (``decoding.tree.score_tree`` passes ``position_ids``), and
+rolling a cache back (``bench.counting.truncate_cache``: transformers' ``Cache`` is the same for every family).
 """
 
 from __future__ import annotations
@@ -27,6 +38,55 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
             return layers
     raise BenchError(f"{type(model).__name__} keeps its decoder layers where this harness does not look "
                      "(model.layers or transformer.h); supported: Llama-style models and GPT-2.")
+
+
+def family(model_or_config) -> str:
+    """The family of a model (or of its config): transformers' ``model_type`` (``llama``, ``gpt2``, ...)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return str(getattr(config, "model_type", "") or type(model_or_config).__name__)
+
+
+# Families whose attention rotates queries and keys by position (RoPE), and those with learned absolute
+# positions instead (added to the input once, so cached keys carry no rotation).
+ROTARY = frozenset({"llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "gemma2", "phi3", "olmo", "granite"})
+LEARNED_POSITIONS = frozenset({"gpt2", "gpt_bigcode", "opt", "biogpt"})
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    """The norm after the last decoder layer (``norm`` in Llama-style models, ``ln_f`` in GPT-2)."""
+    base = getattr(model, "base_model", model)
+    for name in ("norm", "ln_f", "final_layernorm", "final_layer_norm"):
+        norm = getattr(base, name, None)
+        if isinstance(norm, nn.Module):
+            return norm
+    raise BenchError(f"{type(model).__name__} keeps its final norm where this harness does not look "
+                     "(model.norm or transformer.ln_f); supported: Llama-style models and GPT-2.")
+
+
+def layer_list_name(model: nn.Module) -> str:
+    """The attribute of the decoder holding its layers (``layers``, ``h``)."""
+    base = getattr(model, "base_model", model)
+    layers = decoder_layers(model)
+    return next(name for name, child in base.named_children() if child is layers)
+
+
+def copy_from(body: nn.Module, source: nn.Module, layers: list[int]) -> None:
+    """Load ``source``'s decoder layers ``layers`` (in that order) into the decoder layers of ``body`` (a decoder
+    of the same family with ``len(layers)`` layers), and every other weight of ``body`` that ``source``'s decoder
+    has under the same name and shape: the token embedding, GPT-2's position table, the final norm. Both are
+    given as models or decoders (``base_model`` is taken when there is one)."""
+    mine, theirs = getattr(body, "base_model", body), getattr(source, "base_model", source)
+    own, their_layers = decoder_layers(mine), decoder_layers(theirs)
+    if len(own) != len(layers):
+        raise ValueError(f"{len(layers)} layers to copy into a decoder of {len(own)}")
+    for layer, i in zip(own, layers):
+        layer.load_state_dict(their_layers[i].state_dict())
+    prefix = layer_list_name(mine) + "."
+    state = theirs.state_dict()
+    with torch.no_grad():
+        for key, value in mine.state_dict().items():
+            if not key.startswith(prefix) and key in state and state[key].shape == value.shape:
+                value.copy_(state[key])
 
 
 def sublayer_name(layer: nn.Module, kind: str) -> str:

@@ -7,6 +7,7 @@ Every model is returned inside a :class:`bench.counting.CountedLM` tagged with i
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -47,32 +48,58 @@ class PackagedModel(Settings):
     file: str = Field(description="the GGUF file inside the package")
 
 
+# The families a random test model can take (``pair=tiny``, ``tiny_gpt2``, ...): transformers' model_type names.
+Family = Literal["llama", "gpt2", "qwen2", "mistral", "gemma"]
+SIZE_KEYS = ("n_embd", "n_layer", "n_head", "n_positions", "n_inner", "head_dim")  # sizes not named *_size etc.
+
+
+def family_config(family: str, **kwargs):
+    """``family``'s transformers config class built from ``kwargs`` (its own key names, or the shared names its
+    ``attribute_map`` translates, e.g. GPT-2's ``hidden_size`` -> ``n_embd``)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(family, **kwargs)
+
+
 class RandomModel(Settings):
-    """A Llama-style model with seeded random weights and the byte-level tokenizer: the pipeline in seconds."""
+    """A model of one family with seeded random weights and the byte-level tokenizer: the pipeline in seconds."""
 
     source: Literal["random"] = Field("random", description="where the model comes from")
     seed: int = Field(0, ge=0, description="seeds the weights")
-    config: dict[str, int | float | bool] = Field(description="transformers LlamaConfig arguments "
-                                                  "(hidden_size, num_hidden_layers, ...)")
+    family: Family = Field("llama", description="the architecture (transformers' model_type): Llama, GPT-2, Qwen2, "
+                           "Mistral or Gemma")
+    config: dict[str, int | float | bool] = Field(description="arguments of the family's transformers config "
+                                                  "(LlamaConfig: hidden_size, num_hidden_layers, ...; GPT2Config: "
+                                                  "n_embd, n_layer, ...)")
 
     @field_validator("config")
     @classmethod
-    def llama_config(cls, config):
-        """Arguments LlamaConfig knows and accepts (its own checks: e.g. heads that divide the hidden size)."""
-        from transformers import LlamaConfig
-
-        unknown = sorted(set(config) - set(LlamaConfig().to_dict()))
+    def known_to_family(cls, config, info):
+        """Arguments the family's config class knows and accepts (its own checks: e.g. heads that divide the
+        hidden size)."""
+        family = info.data.get("family", "llama")
+        blank = family_config(family)
+        name = type(blank).__name__
+        unknown = sorted(set(config) - set(blank.to_dict()) - set(getattr(blank, "attribute_map", {})))
         if unknown:
-            raise ValueError(f"config has keys LlamaConfig does not know: {', '.join(unknown)}.")
-        sizes = [k for k in config if k.endswith(("_size", "_layers", "_heads", "_position_embeddings"))]
+            raise ValueError(f"config has keys {name} does not know: {', '.join(unknown)}.")
+        sizes = [k for k in config if k.endswith(("_size", "_layers", "_heads", "_position_embeddings")) or k in SIZE_KEYS]
         bad = [k for k in sizes if isinstance(config[k], bool) or not isinstance(config[k], int) or config[k] < 1]
         if bad:
             raise ValueError(f"config sizes must be whole numbers >= 1, got {', '.join(f'{k}={config[k]}' for k in bad)}.")
         try:
-            LlamaConfig(**config)
+            built = family_config(family, **config)
+            heads, kv = getattr(built, "num_attention_heads", None), getattr(built, "num_key_value_heads", None)
+            if heads and kv and heads % kv:  # not every family's config checks this; its attention needs it
+                raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv})")
+            if family != "llama":  # some configs (GPT-2's) leave checks to the model: build it without weights
+                from transformers import AutoModelForCausalLM
+
+                with torch.device("meta"):
+                    AutoModelForCausalLM.from_config(built)
         except Exception as err:  # noqa: BLE001 - transformers raises several types; the message is what matters
             reason = str(err).strip().splitlines()[-1].strip().removeprefix("ValueError: ").rstrip(".")
-            raise ValueError(f"LlamaConfig refuses config: {reason}.") from None
+            raise ValueError(f"{name} refuses config: {reason}.") from None
         return config
 
 
@@ -91,6 +118,21 @@ class PairSettings(Settings):
         description="the model whose output every lossless method reproduces")
     drafts: list[Annotated[HubModel | RandomModel | DistilledDraft, Field(discriminator="source")]] = Field(
         default_factory=list, description="draft models, largest first")
+
+
+def target_family(pair: PairSettings) -> str | None:
+    """The target's family (transformers' ``model_type``) as known before any model loads: a random model's
+    ``family``, a local folder's ``config.json``; ``None`` where only loading would tell (a hub id, a GGUF file)."""
+    spec = pair.target
+    if spec.source == "random":
+        return spec.family
+    if spec.source == "hub" and inputs.looks_local(spec.id):
+        try:
+            config = json.loads((Path(spec.id).expanduser() / "config.json").read_text())
+        except (OSError, ValueError):
+            return None  # the folder's own check names the problem when it loads
+        return config.get("model_type") if isinstance(config, dict) else None
+    return None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -164,13 +206,26 @@ def byte_tokenizer():
     return fast
 
 
-def random_model(spec: DictConfig, vocab_size: int):
-    """A tiny Llama-style model with seeded random weights, built from ``spec.config``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def random_model(spec: DictConfig, vocab_size: int, specials: dict[str, int] | None = None):
+    """A tiny model of ``spec.family`` (Llama-style when unset) with seeded random weights, built from
+    ``spec.config``. ``specials``: the tokenizer's ``bos/eos/pad_token_id``, the defaults of every family but
+    Llama (whose ``pair=tiny`` keeps LlamaConfig's own, as its cached trained parts were built with them):
+    a family's own defaults (GPT-2's 50256, Gemma's 0-2) are not this tokenizer's specials."""
+    from transformers import AutoModelForCausalLM
 
+    family = spec.get("family") or "llama"
+    args = OmegaConf.to_container(spec.config, resolve=True)
+    if family != "llama":
+        args = {**(specials or {}), **args}
     torch.manual_seed(int(spec.seed))
-    config = LlamaConfig(vocab_size=vocab_size, **OmegaConf.to_container(spec.config, resolve=True))
-    return LlamaForCausalLM(config)
+    return AutoModelForCausalLM.from_config(family_config(family, vocab_size=vocab_size, **args))
+
+
+def specials_of(tokenizer) -> dict[str, int]:
+    """The tokenizer's special ids as config arguments (those it has)."""
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+           "pad_token_id": tokenizer.pad_token_id}
+    return {k: v for k, v in ids.items() if v is not None}
 
 
 def hub_model(source: str, dtype: torch.dtype):
@@ -250,7 +305,7 @@ def _load_target(spec: DictConfig, dtype, cache: Path):
         return hub_model(str(folder), dtype), hub_tokenizer(str(folder))
     if src == "random":
         tok = byte_tokenizer()
-        return random_model(spec, len(tok)), tok
+        return random_model(spec, len(tok), specials_of(tok)), tok
     raise AssertionError(f"target source '{src}' passed PairSettings but has no loader")
 
 
@@ -259,7 +314,7 @@ def _load_draft(spec: DictConfig, target, tokenizer, dtype, teacher: Teacher):
     if src == "hub":
         return hub_model(spec.id, dtype)
     if src == "random":
-        return random_model(spec, target.config.vocab_size)
+        return random_model(spec, target.config.vocab_size, specials_of(tokenizer))
     if src == "distilled":
         from decoding.distill import load_or_train_draft
 

@@ -24,6 +24,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from bench.adapter import copy_from
 from bench.artifacts import Artifact, load_or_build, model_fingerprint, report_of
 from bench.errors import BenchError
 from decoding.teacher import Teacher, tokenizer_key
@@ -71,7 +72,7 @@ class DraftLM(PreTrainedModel, GenerationMixin):
         return self.head(hidden), hidden
 
     def get_input_embeddings(self):
-        return self.body.embed_tokens
+        return self.body.get_input_embeddings()
 
     def get_output_embeddings(self):
         return self.head
@@ -88,7 +89,8 @@ class DraftLM(PreTrainedModel, GenerationMixin):
 
 
 def draft_from_target(target, layers: list[int], vocab_map: torch.Tensor) -> DraftLM:
-    """Initialise a draft from the target: its embedding, the chosen layers (renumbered), norm and head rows."""
+    """Initialise a draft from the target: its embeddings (token, and GPT-2's positions), the chosen layers
+    (renumbered), final norm and head rows."""
     n_layer = target.config.num_hidden_layers
     bad = [i for i in layers if not 0 <= i < n_layer and not -n_layer <= i < 0]
     if bad or not layers:
@@ -99,11 +101,8 @@ def draft_from_target(target, layers: list[int], vocab_map: torch.Tensor) -> Dra
         if getattr(config, attr, None) is not None:
             setattr(config, attr, [getattr(config, attr)[i] for i in layers])
     draft = DraftLM(config, vocab_map)
-    base = target.get_decoder() if hasattr(target, "get_decoder") else target.model
-    draft.body.embed_tokens.load_state_dict(base.embed_tokens.state_dict())
-    draft.body.norm.load_state_dict(base.norm.state_dict())
-    for j, i in enumerate(layers):
-        draft.body.layers[j].load_state_dict(base.layers[i].state_dict())
+    # Every family alike (bench.adapter): GPT-2's wte, wpe and ln_f as Llama's embed_tokens and norm.
+    copy_from(draft.body, target, [i % n_layer for i in layers])
     draft.head.weight.data.copy_(target.get_output_embeddings().weight.data[vocab_map])
     return draft
 
@@ -187,7 +186,7 @@ def train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
     draft = draft_from_target(target, list(recipe.layers), vocab_map)
     bs = int(recipe.batch_size)
     report = {"agreement_before": agreement(draft, held, bs)}
-    draft.body.embed_tokens.weight.requires_grad_(False)  # the input embedding stays the target's
+    draft.get_input_embeddings().weight.requires_grad_(False)  # the input embedding stays the target's
     params = [p for p in draft.parameters() if p.requires_grad]
     draft.train()
     fit(params, lambda: torch.randperm(len(train["ids"])).split(bs),

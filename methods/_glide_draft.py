@@ -59,6 +59,7 @@ from pydantic import Field
 from torch import nn
 from torch.nn.functional import scaled_dot_product_attention
 
+from bench.adapter import decoder_layers
 from bench.artifacts import (
     Artifact,
     load_or_build,
@@ -180,7 +181,7 @@ class GlideDraft(nn.Module):
         draft = cls(target.config, vocab_map, layers)
         if init == "target":
             copy_last_layers(draft.body, target)
-            read = target.base_model.layers[layer]
+            read = decoder_layers(target)[layer]
             for norm, cross in zip(draft.cross_norm, draft.cross):
                 norm.load_state_dict(read.input_layernorm.state_dict())
                 cross.q_proj.load_state_dict(read.self_attn.q_proj.state_dict())

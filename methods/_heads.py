@@ -38,6 +38,7 @@ from omegaconf import DictConfig
 from pydantic import Field
 from torch import nn
 
+from bench.adapter import copy_from, decoder_layers
 from bench.artifacts import (
     Artifact,
     load_or_build,
@@ -193,25 +194,12 @@ def body_config(target_config, layers: int = 1):
     return config
 
 
-def _layer_list(body: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The decoder's list of layers (``layers`` in Llama-likes, ``h`` in GPT-2): its one ``ModuleList`` child."""
-    return next((name, m) for name, m in body.named_children() if isinstance(m, nn.ModuleList))
-
-
 def copy_last_layers(body: nn.Module, target) -> None:
     """Load the target's last decoder layers into ``body``'s (a model built from :func:`body_config`: its one
     layer gets the target's last, K layers the last K in order), and whatever else has the same name and shape
-    (the final norm, GPT-2's position table)."""
-    src = target.base_model
-    name, mine = _layer_list(body)
-    theirs_layers = _layer_list(src)[1]
-    for i, layer in enumerate(mine):
-        layer.load_state_dict(theirs_layers[len(theirs_layers) - len(mine) + i].state_dict())
-    theirs = src.state_dict()
-    with torch.no_grad():
-        for key, value in body.state_dict().items():
-            if not key.startswith(name + ".") and key in theirs and theirs[key].shape == value.shape:
-                value.copy_(theirs[key])
+    (the final norm, GPT-2's position table): :func:`bench.adapter.copy_from`."""
+    n, k = len(decoder_layers(target)), len(decoder_layers(body))
+    copy_from(body, target, list(range(n - k, n)))
 
 
 class PrefixLayer(nn.Module):

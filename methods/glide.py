@@ -34,8 +34,10 @@ import torch
 from pydantic import Field, model_validator
 from transformers import DynamicCache
 
+from bench.adapter import LEARNED_POSITIONS
 from bench.counting import truncate_cache
 from bench.errors import BenchError
+from bench.models import target_family
 from bench.registry import register
 from decoding.sampling import draft_token
 from decoding.teacher import kv_layer
@@ -84,6 +86,17 @@ class Glide(DraftVerify):
     @classmethod
     def trains(cls, pair_spec) -> bool:
         return True  # the draft
+
+    @classmethod
+    def check_pair(cls, settings, pair) -> None:
+        """GliDe's draft rotates its queries as the target rotates its cached keys: a target with learned
+        absolute positions (GPT-2) has no rotation to share, and is refused before any model loads."""
+        super().check_pair(settings, pair)
+        family = target_family(pair)
+        if family in LEARNED_POSITIONS:
+            raise BenchError(f"method={cls.name} needs a target with rotary attention (Llama, Qwen2, Mistral, Gemma): "
+                             f"its draft rotates its queries to meet the target's rotated keys, and pair={pair.name}'s "
+                             f"target is {family}, whose keys carry learned absolute positions instead.")
 
     @classmethod
     def check_recipe(cls, settings, recipe) -> None:

@@ -66,7 +66,7 @@ def cases():
     for group in ("", "pair", "dataset", "recipe"):
         for key, field, _ in leaves(nodes[group], f"{group}." if group else ""):
             if key.startswith("pair.target.config") or key.endswith(".config"):
-                continue  # a mapping of LlamaConfig arguments: tested below
+                continue  # a mapping of the family config's arguments: tested below
             for why, value in bad_values(field).items():
                 yield pytest.param([], key, value, id=f"{group or 'top'}:{key}:{why}")
 
@@ -121,7 +121,7 @@ def test_cross_key_rules_are_named_validators(override, needle, capsys):
     (["method=ar", "pair.drafts=[]", "baseline=sd"], "baseline=sd: method=sd runs a draft model but pair=tiny has none."),
     (["method=hierarchy", "method.databases=[context,context]"], "databases lists one twice"),
     (["method.name=medusa"], "method.name is chosen with method=NAME"),
-    (["pair.drafts.0.bogus=1"], "unknown key pair.drafts.0.bogus; pair.drafts.0 has: source, seed, config."),
+    (["pair.drafts.0.bogus=1"], "unknown key pair.drafts.0.bogus; pair.drafts.0 has: source, seed, family, config."),
     (["pair.target.config.num_attention_heads=3"], "LlamaConfig refuses config: The hidden size (64) is not a multiple"),
     (["resume=/etc/passwd"], "resume: '/etc/passwd' is a file"),
     (["device=cuda:7"], "device 'cuda:7' was asked for but this machine has"),
