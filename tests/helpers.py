@@ -130,3 +130,16 @@ def assert_sampling_is_the_targets(method, ids, temperature=0.05, n=300, min_sha
     exp = torch.cat([expected[big], expected[~big].sum().view(1)])
     assert big.sum() >= 3
     assert chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3
+
+
+def assert_cache_is_a_plain_pass(module, cache, prompt: list[int], seq: list[int]) -> None:
+    """``cache`` (a draft's, after decoding ``seq`` from ``prompt``) holds more than the prompt and at most the
+    committed text minus its pending token, and equals one plain forward of ``module`` over what it holds: the
+    entries a method gathered from its token trees are the ones a plain pass computes."""
+    n = cache.get_seq_length()
+    assert len(prompt) < n <= len(seq) - 1
+    with torch.no_grad():
+        fresh = module(torch.tensor([seq[:n]]), use_cache=True).past_key_values
+    for mine, ref in zip(cache.layers, fresh.layers, strict=True):
+        torch.testing.assert_close(mine.keys, ref.keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(mine.values, ref.values, atol=1e-4, rtol=1e-4)

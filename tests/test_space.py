@@ -140,18 +140,7 @@ def test_the_trained_embeddings_are_cached_with_their_report(compose_cfg, tmp_pa
 # --------------------------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("over, words", [
-    ({"masks": 0}, "masks=0 is not allowed"),
-    ({"recipe": {"cuts": 0}}, "recipe.cuts=0 is not allowed"),
-])
-def test_bad_settings_raise_one_sentence(compose_cfg, over, words):
-    from bench.validate import validate
-
-    cfg = compose_cfg("method=space", "pair=tiny")
-    cfg.method = OmegaConf.merge(cfg.method, over)
-    with pytest.raises(BenchError, match=words) as err:
-        validate(cfg)
-    assert len(str(err.value).splitlines()) == 1
+# Bad values of every space setting (type, range, NaN) are refused in one sentence by tests/test_schema.py's walk.
 
 
 def test_a_store_too_short_for_a_group_is_one_sentence(compose_cfg):

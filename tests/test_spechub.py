@@ -23,6 +23,7 @@ from decoding.verify import (
     verify_tree,
 )
 from tests.helpers import (
+    assert_cache_is_a_plain_pass,
     assert_greedy_equal_to_ar,
     assert_sampling_is_the_targets,
     build,
@@ -214,14 +215,7 @@ def test_one_target_forward_per_step_and_the_draft_cache_kept_right(good_pair, l
     assert counts["draft"]["calls"] == 1 + sum(out.drafted)  # the prefill, then one per depth drafted
     assert sum(out.extra["root_kept_by_draft"][1:]) > 0 and len(out.extra["root_kept_by_draft"]) == drafts
     assert max(out.drafted) == 3 and out.extra["verifier"] == verifier
-    seq = looping_prompt + out.output_ids
-    n = method.dcache.get_seq_length()
-    assert len(looping_prompt) < n <= len(seq) - 1
-    with torch.no_grad():
-        fresh = pair.draft.module(torch.tensor([seq[:n]]), use_cache=True).past_key_values
-    for mine, ref in zip(method.dcache.layers, fresh.layers):
-        torch.testing.assert_close(mine.keys, ref.keys, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(mine.values, ref.values, atol=1e-4, rtol=1e-4)
+    assert_cache_is_a_plain_pass(pair.draft.module, method.dcache, looping_prompt, looping_prompt + out.output_ids)
 
 
 def test_the_figures_compare_both_schemes_on_the_same_contexts(pair, looping_prompt):
