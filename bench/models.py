@@ -296,17 +296,58 @@ class Pair:
         return {role: c.stats() for role, c in self.roles.items()}
 
 
-def _load_target(spec: DictConfig, dtype, cache: Path):
+def _target_tokenizer(spec: DictConfig, cache: Path):
+    """The target's tokenizer, before any of its weights load (a packaged GGUF is converted first, once)."""
     src = spec.source
     if src == "hub":
-        return hub_model(spec.id, dtype), hub_tokenizer(spec.id)
+        return hub_tokenizer(spec.id)
     if src == "gguf_package":
-        folder = packaged_gguf_folder(spec, cache)
-        return hub_model(str(folder), dtype), hub_tokenizer(str(folder))
+        return hub_tokenizer(str(packaged_gguf_folder(spec, cache)))
     if src == "random":
-        tok = byte_tokenizer()
-        return random_model(spec, len(tok), specials_of(tok)), tok
+        return byte_tokenizer()
     raise AssertionError(f"target source '{src}' passed PairSettings but has no loader")
+
+
+def _load_target(spec: DictConfig, tokenizer, dtype, cache: Path):
+    src = spec.source
+    if src == "hub":
+        return hub_model(spec.id, dtype)
+    if src == "gguf_package":
+        return hub_model(str(packaged_gguf_folder(spec, cache)), dtype)
+    return random_model(spec, len(tokenizer), specials_of(tokenizer))
+
+
+def _merges(tokenizer) -> list | None:
+    """A fast tokenizer's BPE merges (None: it has none, or is not a fast tokenizer)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return json.loads(backend.to_str()).get("model", {}).get("merges") if backend is not None else None
+
+
+def tokenizer_difference(target_tok, draft_tok) -> str | None:
+    """How two tokenizers differ in what speculative decoding needs the same (None: they do not): the vocabulary
+    (token -> id) and the merges that split text into those tokens."""
+    va, vb = target_tok.get_vocab(), draft_tok.get_vocab()
+    if va != vb:
+        moved = len(set(va.items()) ^ set(vb.items())) // 2
+        return f"their vocabularies differ ({len(va)} and {len(vb)} tokens, about {moved} mapped differently)"
+    if _merges(target_tok) != _merges(draft_tok):
+        return "their merges differ (the same tokens, but text splits into them differently)"
+    return None
+
+
+def check_draft_tokenizer(pair_name: str, i: int, spec: DictConfig, target_tok) -> None:
+    """A hub (or local folder) draft must tokenize as the target does: one sentence when not, before its weights
+    load. A draft folder without tokenizer files cannot be compared and is taken as it is (logged)."""
+    try:
+        draft_tok = hub_tokenizer(spec.id)
+    except BenchError:
+        log.warning("draft %d (%s) has no tokenizer files: its tokenizer is assumed to be the target's", i, spec.id)
+        return
+    why = tokenizer_difference(target_tok, draft_tok)
+    if why is not None:
+        raise BenchError(f"pair={pair_name}: draft {i} ({spec.id}) does not tokenize as the target does: {why}; "
+                         "speculative decoding needs one tokenizer (a method without a draft, e.g. method=ar, "
+                         "runs on the target alone).")
 
 
 def _load_draft(spec: DictConfig, target, tokenizer, dtype, teacher: Teacher):
@@ -342,10 +383,15 @@ def load_pair(cfg: DictConfig, train_if_missing: bool = True, n_drafts: int | No
         RecipeSettings, OmegaConf.to_container(cfg.recipe, resolve=True), "recipe", f"recipe={cfg.recipe.get('name')}")
     teacher = Teacher(recipe, cache, train_if_missing)
     # Models load in fp32 on the CPU first: training a missing draft needs fp32 and a frozen target.
-    target, tokenizer = _load_target(pair_cfg.target, torch.float32, cache)
+    tokenizer = _target_tokenizer(pair_cfg.target, cache)
+    specs = list(pair_cfg.get("drafts") or [])[:n_drafts]
+    for i, dspec in enumerate(specs):  # before any weights load: a draft that tokenizes otherwise is refused
+        if dspec.source == "hub":
+            check_draft_tokenizer(pair_cfg.name, i, dspec, tokenizer)
+    target = _load_target(pair_cfg.target, tokenizer, torch.float32, cache)
     target.eval()
     drafts = []
-    for i, dspec in enumerate(list(pair_cfg.get("drafts") or [])[:n_drafts]):
+    for i, dspec in enumerate(specs):
         d = _load_draft(dspec, target, tokenizer, torch.float32, teacher)
         drafts.append(CountedLM(d.to(device=device, dtype=dtype).eval(), "draft" if i == 0 else f"draft{i + 1}"))
     target = CountedLM(target.to(device=device, dtype=dtype), "target")

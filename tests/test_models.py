@@ -15,10 +15,53 @@ def test_hub_pair_loads_from_local_folders(tiny_pair, compose_cfg, tmp_path):
     tiny_pair.target.module.save_pretrained(tmp_path / "target")
     tiny_pair.tokenizer.save_pretrained(tmp_path / "target")
     tiny_pair.draft.module.save_pretrained(tmp_path / "draft")
+    tiny_pair.tokenizer.save_pretrained(tmp_path / "draft")  # the same tokenizer: compared, and accepted
     cfg = compose_cfg("pair=gpt2", f"pair.target.id={tmp_path / 'target'}", f"pair.drafts.0.id={tmp_path / 'draft'}")
     pair = load_pair(cfg)
     ids = prompts_for(pair, 1)[0]
     assert decode(pair, "sd", ids, max_new=16, gamma=3).output_ids == decode(tiny_pair, "ar", ids, max_new=16).output_ids
+
+
+def bpe_tokenizer(vocab: dict, merges: list):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab, merges)))
+
+
+def test_tokenizers_differ_by_vocabulary_or_merges():
+    from bench.models import tokenizer_difference
+
+    vocab = {"a": 0, "b": 1, "ab": 2}
+    same, merged = bpe_tokenizer(vocab, [("a", "b")]), bpe_tokenizer(vocab, [("a", "b")])
+    assert tokenizer_difference(same, merged) is None
+    assert "merges differ" in tokenizer_difference(same, bpe_tokenizer(vocab, []))
+    swapped = bpe_tokenizer({"a": 1, "b": 0, "ab": 2}, [("a", "b")])
+    assert "vocabularies differ (3 and 3 tokens, about 2 mapped differently)" in tokenizer_difference(same, swapped)
+
+
+def test_a_draft_that_tokenizes_otherwise_is_refused_unless_no_draft_runs(tiny_pair, tmp_path, capsys):
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.test_bad_files import assert_one_sentence, cli
+
+    tiny_pair.target.module.save_pretrained(tmp_path / "target")
+    tiny_pair.tokenizer.save_pretrained(tmp_path / "target")
+    tiny_pair.draft.module.save_pretrained(tmp_path / "draft")
+    spec = json.loads(tiny_pair.tokenizer.backend_tokenizer.to_str())
+    a, b = list(spec["model"]["vocab"])[:2]  # two ids swapped: the same tokens, other ids
+    spec["model"]["vocab"][a], spec["model"]["vocab"][b] = spec["model"]["vocab"][b], spec["model"]["vocab"][a]
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec))).save_pretrained(tmp_path / "draft")
+    pair = ["pair=gpt2", f"pair.target.id={tmp_path / 'target'}", f"pair.drafts.0.id={tmp_path / 'draft'}"]
+    code, err = cli(["run", *pair, "method=sd", f"hydra.run.dir={tmp_path / 'sd'}"], capsys)
+    assert_one_sentence(code, err, "does not tokenize as the target does", "their vocabularies differ")
+    assert not list((tmp_path / "sd").glob("records*.jsonl"))
+    code, err = cli(["run", *pair, "method=ar", "dataset.n_prompts=1", "max_new_tokens=4", "warmup=0",
+                     f"hydra.run.dir={tmp_path / 'ar'}"], capsys)
+    assert code in (0, None) and (tmp_path / "ar" / "records.jsonl").exists(), err  # no draft loads: none compared
 
 
 def test_draft_with_all_layers_and_full_vocab_is_the_target(tiny_pair):
