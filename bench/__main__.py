@@ -1,7 +1,8 @@
 """Command line: ``python -m bench COMMAND [hydra overrides]``.
 
 Commands: ``run`` (decode and measure), ``train draft|method`` (build and cache trained parts), ``show``
-(every setting with its type, default and meaning), ``table``, ``plot`` and ``report`` over saved results.
+(every setting with its type, default and meaning), ``table``, ``plot`` and ``report`` over saved results,
+``export-specbench`` / ``import-specbench`` (Spec-Bench answer files from a run, and a run from them).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ COMMANDS = {
     "table": "bench.report_cli:table_main",
     "plot": "bench.report_cli:plot_main",
     "report": "bench.report_cli:report_main",
+    "export-specbench": "bench.specbench_io:export_main",
+    "import-specbench": "bench.specbench_io:import_main",
 }
 
 

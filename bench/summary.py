@@ -79,6 +79,7 @@ def analytic_speedup(method: str, alpha: float, gamma: float, c: float) -> float
 def summary_row(g: pd.DataFrame, level: float) -> dict:
     """The aggregates of one group of records (one method setting on one pair and dataset)."""
     acc, dr = steps(g)
+    all_acc = [n for a in g["accept_lengths"] for n in _list(a)] if "accept_lengths" in g else []
     drafting = any(dr)
     tokens = g["new_tokens"].sum()
     paired = g[g["speedup"].notna()]  # records with their run's baseline record of the same prompt
@@ -105,7 +106,8 @@ def summary_row(g: pd.DataFrame, level: float) -> dict:
         # Spec-Bench's figure: tokens per second over all paired prompts pooled, over the baseline's on the same prompts.
         "speedup_pooled": metrics.ratio(metrics.ratio(paired["new_tokens"].sum(), paired["wall_s"].sum()),
                                         metrics.ratio(paired["base_new_tokens"].sum(), paired["base_wall_s"].sum())),
-        "mean_accepted": metrics.ratio(sum(acc), len(acc)),  # tokens committed per target call after prefill
+        # tokens committed per target call after prefill (every record's, imported ones without `drafted` too)
+        "mean_accepted": metrics.ratio(sum(all_acc), len(all_acc)),
         "alpha": alpha,  # per-token acceptance, MLE under Leviathan et al.'s i.i.d. model
         "accept_by_position": metrics.acceptance_by_position(acc, dr),  # P(draft token i kept | 0..i-1 kept)
         "mean_drafted": gamma,  # tokens proposed per target call: the γ of the analytic model
