@@ -40,27 +40,9 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
                      "(model.layers or transformer.h); supported: Llama-style models and GPT-2.")
 
 
-def family(model_or_config) -> str:
-    """The family of a model (or of its config): transformers' ``model_type`` (``llama``, ``gpt2``, ...)."""
-    config = getattr(model_or_config, "config", model_or_config)
-    return str(getattr(config, "model_type", "") or type(model_or_config).__name__)
-
-
-# Families whose attention rotates queries and keys by position (RoPE), and those with learned absolute
-# positions instead (added to the input once, so cached keys carry no rotation).
-ROTARY = frozenset({"llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "gemma2", "phi3", "olmo", "granite"})
+# Families whose keys carry learned absolute positions (added to the input once, so cached keys carry no
+# rotation): a method that rotates queries to meet the target's rotary keys (GliDe) cannot serve them.
 LEARNED_POSITIONS = frozenset({"gpt2", "gpt_bigcode", "opt", "biogpt"})
-
-
-def final_norm(model: nn.Module) -> nn.Module:
-    """The norm after the last decoder layer (``norm`` in Llama-style models, ``ln_f`` in GPT-2)."""
-    base = getattr(model, "base_model", model)
-    for name in ("norm", "ln_f", "final_layernorm", "final_layer_norm"):
-        norm = getattr(base, name, None)
-        if isinstance(norm, nn.Module):
-            return norm
-    raise BenchError(f"{type(model).__name__} keeps its final norm where this harness does not look "
-                     "(model.norm or transformer.ln_f); supported: Llama-style models and GPT-2.")
 
 
 def layer_list_name(model: nn.Module) -> str:
