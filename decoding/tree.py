@@ -182,6 +182,24 @@ def score_tree(target, cache, tree: Tree, hidden: bool = False, **kwargs):
     return out.logits[0], (out.hidden_states[-1][0] if hidden else None)
 
 
+def read_nodes(model, cache, tree: Tree, nodes: list[int], cached: list[int], past: int) -> torch.Tensor:
+    """Feed ``model`` (a draft, a ``CountedLM``) the tree's ``nodes`` in ONE forward and return their logits
+    ``(len(nodes), vocab)``. ``cache`` holds the text up to the pending token (the root, at position ``past``), then
+    the tree's nodes ``cached`` in that order; ``nodes`` go in after them. Each attends to the text and to its own
+    ancestors among ``cached`` and ``nodes`` (itself included) at position ``past + depth``, so its logits are its
+    path's scored as a plain sequence. A single node below a cached chain of its own ancestors is a plain causal
+    step. How a draft reads a token tree level by level (SpecHub's sequences, GSD's graph)."""
+    device = model.device
+    ids = torch.tensor([[tree.tokens[v] for v in nodes]], device=device)
+    allowed = tree.ancestry()[nodes][:, cached + nodes]  # (len(nodes), len(cached) + len(nodes))
+    if len(nodes) == 1 and bool(allowed.all()):
+        return model(ids, cache).logits[0]
+    dtype = next(model.module.parameters()).dtype
+    mask = additive_mask(allowed, past + 1, dtype, device)  # past + 1: the text up to the pending token
+    positions = (past + torch.tensor([tree.depth[v] for v in nodes], device=device)).unsqueeze(0)
+    return model(ids, cache, attention_mask=mask, position_ids=positions).logits[0]
+
+
 def keep_path(cache, past: int, path: list[int]) -> None:
     """Keep the KV entries of the tree nodes ``path`` right after the first ``past`` positions and drop the
     rest: the cache then holds the prefix plus the accepted path, in order, with nothing recomputed."""

@@ -51,7 +51,7 @@ from pydantic import Field
 from transformers import DynamicCache
 
 from bench.registry import register
-from decoding.tree import Tree, additive_mask, keep_path
+from decoding.tree import Tree, keep_path, read_nodes
 from methods.base import Decoding, Draft, DraftVerify, MethodSettings
 
 
@@ -171,7 +171,9 @@ class GSD(DraftVerify):
             level = [v for v in level if graph.prob[v] >= self.cfg.leaf_prob]  # leaves are not expanded
             if not level or d + 1 == depth or len(graph) >= self.cfg.max_nodes:
                 break
-            logits = self.read_level(st, graph.tree, level)
+            # The draft reads the level's nodes in one forward, after the nodes it read before (its cache order).
+            logits = read_nodes(self.pair.draft, self.dcache, graph.tree, level, self.read, self.past)
+            self.read = self.read + level
             forwards += 1
         tree, self.origin, self.own = graph.unroll(int(self.cfg.max_nodes), st.room)
         t = self.tally
@@ -196,21 +198,6 @@ class GSD(DraftVerify):
                 if node is not None:
                     new.append(node)
         return new
-
-    def read_level(self, st: Decoding, tree: Tree, level: list[int]) -> torch.Tensor:
-        """Feed the draft the nodes ``level`` and return their logits ``(len(level), vocab)``. Each attends to
-        the committed text and to its own real ancestors among the nodes read before it."""
-        ids = torch.tensor([[tree.tokens[v] for v in level]], device=st.device)
-        seen = self.read + level
-        self.read = seen
-        depth = torch.tensor([tree.depth[v] for v in level], device=st.device)
-        if len(seen) == len(level) == 1:  # the first level's single node: a plain causal step
-            return self.pair.draft(ids, self.dcache).logits[0]
-        dtype = next(self.pair.draft.module.parameters()).dtype
-        allowed = tree.ancestry()[level][:, seen]  # (len(level), len(seen))
-        mask = additive_mask(allowed, self.past + 1, dtype, st.device)  # past + 1: the text up to the pending token
-        positions = (self.past + depth).unsqueeze(0)
-        return self.pair.draft(ids, self.dcache, attention_mask=mask, position_ids=positions).logits[0]
 
     # ------------------------------------------------------------------------------------------- after a step
 

@@ -66,7 +66,7 @@ from transformers import DynamicCache
 
 from bench.registry import register
 from decoding.sampling import probs_from_logits, sample
-from decoding.tree import Tree, additive_mask, keep_path
+from decoding.tree import Tree, keep_path, read_nodes
 from decoding.verify import (
     draw_hub_pair,
     hub_acceptance,
@@ -137,7 +137,8 @@ class SpecHub(DraftVerify):
         tokens, rows = self.first_tokens(st, logits)
         level = [tree.add_child(0, t, merge=False) for t in tokens]
         for _ in range(depth - 1):
-            logits = self.read_level(st, tree, level)  # (len(level), vocab)
+            # The draft reads the tree level by level: the levels above are in its cache, in node order.
+            logits = read_nodes(self.pair.draft, self.dcache, tree, level, list(range(1, level[0])), self.past)
             if st.sampling.greedy:
                 nxt = logits.argmax(-1)
             else:
@@ -163,18 +164,6 @@ class SpecHub(DraftVerify):
         else:
             tokens = sample(q.expand(self.k, -1), st.generator).tolist()
         return tokens, [q] * len(tokens)  # a hub pair: both rows hold the q its joint distribution is built on
-
-    def read_level(self, st: Decoding, tree: Tree, level: list[int]) -> torch.Tensor:
-        """Feed the draft the nodes ``level`` (one depth of every sequence, the tree's last nodes) and return
-        their logits ``(len(level), vocab)``. Each attends to the committed text and to its own ancestors."""
-        ids = torch.tensor([[tree.tokens[v] for v in level]], device=st.device)
-        if len(level) == 1:  # one sequence: a plain causal step
-            return self.pair.draft(ids, self.dcache).logits[0]
-        dtype = next(self.pair.draft.module.parameters()).dtype
-        allowed = tree.ancestry()[level][:, 1 : level[-1] + 1]  # over the tree's nodes read so far, these too
-        mask = additive_mask(allowed, self.past + 1, dtype, st.device)  # past + 1: the text up to the pending token
-        positions = torch.full((1, len(level)), self.past + tree.depth[level[0]], device=st.device)
-        return self.pair.draft(ids, self.dcache, attention_mask=mask, position_ids=positions).logits[0]
 
     # ------------------------------------------------------------------------------------------- verifying
 
