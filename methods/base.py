@@ -218,6 +218,14 @@ class Decoding:
         """Roll ``cache`` back with the target's after each commit (a draft's cache, say)."""
         self.caches.append(cache)
 
+    def draft_cache(self, draft) -> DynamicCache:
+        """A KV cache of ``draft`` (a ``CountedLM``) that has read the prompt (its cost, counted) and is tracked;
+        afterwards a method feeds it only what it has not read (``seq[cache.get_seq_length():]``)."""
+        cache = DynamicCache()
+        draft(self.prompt_ids, cache, logits_to_keep=1)
+        self.track(cache)
+        return cache
+
     def commit(self, tokens: list[int], drafted: int | None) -> None:
         """Append committed ``tokens``, cut them at the first EOS (kept) and at the budget, roll every tracked
         cache back to the committed text minus the pending token, and tell the harness. ``drafted``: the

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import torch
 from pydantic import Field
-from transformers import DynamicCache
 
 from bench.registry import register
 from decoding.tree import Tree, keep_path, read_nodes
@@ -142,9 +141,7 @@ class GSD(DraftVerify):
                                "most (the authors' 100)")
 
     def start(self, st: Decoding) -> None:
-        self.dcache = DynamicCache()
-        self.pair.draft(st.prompt_ids, self.dcache, logits_to_keep=1)
-        st.track(self.dcache)
+        self.dcache = st.draft_cache(self.pair.draft)  # the draft reads the prompt: its cost, counted
         self.past = 0  # this step's pending position
         self.read: list[int] = []  # graph nodes the draft read this step, in cache order after the pending token
         self.graph: Graph | None = None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 from pydantic import Field, model_validator
-from transformers import DynamicCache
 
 from bench import metrics
 from bench.registry import register
@@ -73,10 +72,7 @@ class SD(DraftVerify):
         return metrics.analytic_speedup(alpha, gamma, c)
 
     def start(self, st: Decoding) -> None:
-        # The draft reads the prompt too: part of its cost, counted as such.
-        self.dcache = DynamicCache()
-        self.pair.draft(st.prompt_ids, self.dcache, logits_to_keep=1)
-        st.track(self.dcache)
+        self.dcache = st.draft_cache(self.pair.draft)  # the draft reads the prompt too: its cost, counted
         self.gamma = int(self.cfg.gamma)
 
     def propose(self, st: Decoding) -> Draft:

@@ -62,7 +62,6 @@ from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
-from transformers import DynamicCache
 
 from bench.registry import register
 from decoding.sampling import probs_from_logits, sample
@@ -112,9 +111,7 @@ class SpecHub(DraftVerify):
 
     def start(self, st: Decoding) -> None:
         # The draft reads the prompt once (its cost, counted); afterwards only what it has not read.
-        self.dcache = DynamicCache()
-        self.pair.draft(st.prompt_ids, self.dcache, logits_to_keep=1)
-        st.track(self.dcache)
+        self.dcache = st.draft_cache(self.pair.draft)
         self.k, self.gamma = int(self.cfg.drafts), int(self.cfg.gamma)
         self.past = 0  # this step's pending position, where the draft's tree starts
         self.root_q: torch.Tensor | None = None  # the draft's q at the pending token, (vocab,); None when greedy

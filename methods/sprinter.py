@@ -25,7 +25,6 @@ from collections import Counter
 
 import torch
 from pydantic import Field
-from transformers import DynamicCache
 
 from bench.counting import CountedModule
 from bench.errors import BenchError
@@ -98,9 +97,7 @@ class Sprinter(DraftVerify):
         return True  # the verifier
 
     def start(self, st: Decoding) -> None:
-        self.dcache = DynamicCache()
-        self.pair.draft(st.prompt_ids, self.dcache, logits_to_keep=1)  # the draft reads the prompt: its cost
-        st.track(self.dcache)
+        self.dcache = st.draft_cache(self.pair.draft)  # the draft reads the prompt: its cost
         self.stats = Counter()
 
     def propose(self, st: Decoding) -> Draft:
