@@ -19,13 +19,15 @@ from bench import study, summary
 from bench.errors import BenchError
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """argparse for the results commands: a bad argument is one sentence (BenchError) and exit status 2."""
+
     def error(self, message):  # one sentence and exit code 2, like every other bad input
         raise BenchError(f"{self.prog}: {message}.")
 
 
 def _args(cmd: str, argv: list[str], extra=()) -> argparse.Namespace:
-    p = _Parser(prog=f"python -m bench {cmd}", description=__doc__.splitlines()[0])
+    p = Parser(prog=f"python -m bench {cmd}", description=__doc__.splitlines()[0])
     p.add_argument("results", nargs="+", help="run dirs, sweep dirs or records.jsonl files")
     p.add_argument("--out", help="output directory (default: <first RESULTS dir>/report)")
     p.add_argument("--baseline", default=None,

@@ -26,11 +26,16 @@ RECORDS = "records.jsonl"
 PARTIAL = "records.partial.jsonl"
 
 
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON through a temp file and a rename: the file is either the old one or the new one."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` through a temp file and a rename: the file is either the old one or the new one."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(clean_nan(obj), indent=2, default=str))
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON atomically (:func:`write_text_atomic`)."""
+    write_text_atomic(path, json.dumps(clean_nan(obj), indent=2, default=str))
 
 
 class RecordWriter:

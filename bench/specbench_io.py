@@ -24,7 +24,6 @@ calls), the answer text; not FLOPs, memory or token ids (those columns stay empt
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -33,14 +32,10 @@ from pathlib import Path
 
 from bench import inputs
 from bench.errors import BenchError
-from bench.results import RECORDS, write_json_atomic
+from bench.report_cli import Parser
+from bench.results import RecordWriter, write_json_atomic, write_text_atomic
 
 PROMPT_PREFIX = "sb-"  # this harness's prompt ids of Spec-Bench questions (bench.data's spec_bench source)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one sentence and exit code 2, like every other bad input
-        raise BenchError(f"{self.prog}: {message}.")
 
 
 def question_id(prompt_id: str):
@@ -83,9 +78,7 @@ def export_answers(run_dir: Path, out: Path) -> list[Path]:
         model_id = re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"{pair}-{label}").strip("_")
         lines = [json.dumps(answer(records[i], model_id)) for i in idx]
         target = out / f"{model_id}.jsonl"
-        tmp = target.with_suffix(".jsonl.tmp")
-        tmp.write_text("\n".join(lines) + "\n")
-        tmp.replace(target)  # whole files only
+        write_text_atomic(target, "\n".join(lines) + "\n")  # whole files only
         written.append(target)
     return written
 
@@ -145,16 +138,16 @@ def import_answers(folder: Path, out: Path, baseline: str | None = None, tempera
                          f"(there are: {', '.join(stems)}).")
     recs = [record(row, f.stem, temperature, max_new_tokens) for f in files for row in _answer_rows(f)]
     out.mkdir(parents=True, exist_ok=True)
-    lines = "".join(json.dumps(r, default=str) + "\n" for r in recs)
-    tmp = out / (RECORDS + ".tmp")
-    tmp.write_text(lines)
-    tmp.replace(out / RECORDS)
+    writer = RecordWriter(out)  # as a run writes its records: published whole, NaN as null
+    for r in recs:
+        writer.write(r)
+    writer.close(publish=True)
     write_json_atomic(out / "run.json", {"config": {"baseline": baseline}, "source": {"spec_bench": str(folder)}})
     return out
 
 
 def export_main(argv: list[str]) -> int:
-    p = _Parser(prog="python -m bench export-specbench", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench export-specbench", description=__doc__.split("\n\n")[0])
     p.add_argument("run", help="a run directory of 'python -m bench run'")
     p.add_argument("--out", help="where the answer files go (default: RUN/specbench)")
     args = p.parse_args(argv)
@@ -165,7 +158,7 @@ def export_main(argv: list[str]) -> int:
 
 
 def import_main(argv: list[str]) -> int:
-    p = _Parser(prog="python -m bench import-specbench", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m bench import-specbench", description=__doc__.split("\n\n")[0])
     p.add_argument("folder", help="a folder of Spec-Bench answer files (*.jsonl)")
     p.add_argument("--out", help="the run directory to write (default: FOLDER/imported)")
     p.add_argument("--baseline", help="the answer file (stem) every other is paired against (default: the one "
