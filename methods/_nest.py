@@ -169,10 +169,11 @@ def build(folder: Path, model: torch.nn.Module, tokenizer, settings: dict, batch
 
 
 def load(folder: Path) -> Datastore:
+    from bench.artifacts import read_manifest
+
     index = json.loads((folder / INDEX).read_text())
-    manifest = json.loads((folder / "manifest.json").read_text())
     return Datastore(folder, index["docs"], index["passages"], index["texts"], np.load(folder / TOKENS),
-                     np.load(folder / KEYS, mmap_mode="r"), manifest.get("report") or {})
+                     np.load(folder / KEYS, mmap_mode="r"), (read_manifest(folder) or {}).get("report") or {})
 
 
 def datastore_key(pair, settings: dict) -> dict:
@@ -191,9 +192,10 @@ def check_folder(path: str) -> str | None:
         return f"{folder} does not exist"
     if not folder.is_dir():
         return f"{folder} is not a folder"
-    try:
-        manifest = json.loads((folder / "manifest.json").read_text())
-    except (OSError, ValueError):
+    from bench.artifacts import read_manifest
+
+    manifest = read_manifest(folder)
+    if not isinstance(manifest, dict):
         return f"{folder} has no readable manifest.json (a datastore folder is cache_dir/nest/datastore-<key>)"
     if manifest.get("kind") != "nest" or not isinstance(manifest.get("key"), dict):
         return f"{folder} is not a NEST datastore (its manifest says kind {manifest.get('kind')!r})"
@@ -204,28 +206,24 @@ def open_given(path: str, pair, settings: dict) -> Datastore:
     """The datastore folder ``path`` (``method.datastore``), refused in one sentence when damaged, built for
     another target or tokenizer (its manifest's fingerprints differ from this pair's), or from other build
     ``settings`` (corpus, doc_tokens, passage_len) than the run names, which its records would then misstate."""
-    from bench.artifacts import (
-        model_fingerprint,
-        problem,
-        read_manifest,
-        tokenizer_fingerprint,
-    )
+    from bench.artifacts import problem, read_manifest
 
     folder = Path(path).expanduser()
     if (why := check_folder(path)) is not None:
         raise BenchError(f"method.datastore: {why}.")
     if (why := problem(folder)) is not None:
         raise BenchError(f"method.datastore: the NEST datastore at {folder} cannot be used ({why}).")
-    key = read_manifest(folder)["key"]
-    if key.get("tokenizer") != tokenizer_fingerprint(pair.tokenizer):
+    key, want = read_manifest(folder)["key"], datastore_key(pair, settings)  # as built, and as this run would build
+    if key.get("tokenizer") != want["tokenizer"]:
         raise BenchError(f"method.datastore: the NEST datastore at {folder} was built for another tokenizer "
                          f"than pair={pair.name}'s; build one for this pair (leave method.datastore unset).")
-    have, want = key.get("target") or {}, model_fingerprint(pair.target.module)
-    if have.get("weights") != want["weights"]:
+    have, target = key.get("target") or {}, want["target"]
+    if have.get("weights") != target["weights"]:
         raise BenchError(f"method.datastore: the NEST datastore at {folder} was built for another target "
                          f"({have.get('name')}, weights {have.get('weights')}) than pair={pair.name}'s "
-                         f"({want['name']}, weights {want['weights']}); its keys are another model's hidden states.")
-    differ = {k: key.get(k) for k, v in settings.items() if key.get(k) != v}
+                         f"({target['name']}, weights {target['weights']}); its keys are another model's hidden "
+                         "states.")
+    differ = {k: key.get(k) for k in settings if key.get(k) != want[k]}
     if differ:
         built = ", ".join(f"method.{k}={v}" for k, v in differ.items())
         raise BenchError(f"method.datastore: the NEST datastore at {folder} was built with {built}; run with the "
