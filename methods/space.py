@@ -147,6 +147,8 @@ class Space(DraftVerify):
     # ------------------------------------------------------------------------------------------- the loop
 
     def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> Decoded:
+        # Not DraftVerify's loop: the prefill itself carries a mask group, and each step's candidates come from the
+        # previous step's forward, not from a propose() before it. The commit and cache rules are the base's.
         if self.embeddings is None:
             self.setup(train_if_missing=False)
         st = Decoding(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens)
@@ -169,8 +171,8 @@ class Space(DraftVerify):
         # With no room left the target's own token is the last one: no candidates to verify, none to make.
         tree, chain, groups = layout(st.seq[-1], candidates, k if st.room > 0 else 0)
         past = st.cache.get_seq_length()
-        with self.masked(tree.tokens):
-            logits, _ = score_tree(self.pair.target, st.cache, tree.fill([0 if t == MASK else t for t in tree.tokens]))
+        with self.masked(tree.tokens) as ids:
+            logits, _ = score_tree(self.pair.target, st.cache, tree.fill(ids[0].tolist()))
         tokens = torch.tensor(candidates, dtype=torch.long, device=logits.device)
         # Lossless: the longest prefix the target accepts (greedy match, or speculative sampling with one-hot q:
         # the candidates are deterministic), then its own token.
