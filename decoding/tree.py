@@ -141,7 +141,7 @@ class Tree:
         """``BoolTensor (n, n)``: ``[i, j]`` is True when node j is node i or one of its ancestors."""
         if self._ancestry is None:
             n = len(self)
-            anc = torch.eye(n, dtype=torch.bool)
+            anc = torch.eye(n, dtype=torch.bool, device="cpu")  # host-side, like the tree itself
             for i in range(1, n):  # parents come first, so their rows are complete already
                 anc[i] |= anc[self.parent[i]]
             self._ancestry = anc
@@ -157,10 +157,9 @@ class Tree:
 def additive_mask(allowed: torch.Tensor, past: int, dtype: torch.dtype, device) -> torch.Tensor:
     """``(1, 1, n, past + m)`` additive attention mask: every query attends to the ``past`` cached positions,
     and to the m new ones where ``allowed (n, m)`` is True; the dtype's minimum elsewhere."""
-    n = allowed.shape[0]
-    allowed = torch.cat([torch.ones(n, past, dtype=torch.bool), allowed.cpu()], dim=1).to(device)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    n, m = allowed.shape
+    mask = torch.zeros(n, past + m, dtype=dtype, device=device)
+    mask[:, past:].masked_fill_(~allowed.to(device), torch.finfo(dtype).min)
     return mask[None, None]
 
 

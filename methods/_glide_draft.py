@@ -199,7 +199,7 @@ class GlideDraft(nn.Module):
         n = emb.shape[1]
         cos_sin = self.body.rotary_emb(emb, positions.view(1, n))
         past = cache.get_seq_length() if cache is not None else 0
-        causal = additive_mask(torch.ones(n, n, dtype=torch.bool).tril(), past, emb.dtype, emb.device)
+        causal = additive_mask(torch.ones(n, n, dtype=torch.bool, device=emb.device).tril(), past, emb.dtype, emb.device)
         h = emb
         for block, norm, cross in zip(self.body.layers, self.cross_norm, self.cross):
             h = h + block.self_attn(block.input_layernorm(h), position_embeddings=cos_sin, attention_mask=causal,

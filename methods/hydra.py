@@ -31,7 +31,7 @@ def expansion_plan(tree: Tree) -> list[tuple[list[int], torch.Tensor, list[int],
     for d in range(1, tree.max_depth + 1):
         nodes = [i for i, p in enumerate(tree.paths) if len(p) == d]
         parents = sorted({tree.parent[i] for i in nodes})
-        paths = torch.tensor([tree.path_to(p) for p in parents])
+        paths = torch.tensor([tree.path_to(p) for p in parents], device="cpu")  # cached: moved per call
         plan.append((parents, paths, nodes, [(parents.index(tree.parent[i]), tree.paths[i][-1]) for i in nodes]))
     return plan
 

@@ -1,0 +1,102 @@
+"""The GPU path: every method on the tiny pairs of every family, on CUDA (marked ``gpu``; skipped without CUDA).
+
+On a machine with a GPU: ``.venv/bin/python -m pytest -m gpu`` (a few minutes on an H100; the trained parts train
+on the GPU under ``recipe=smoke``). What it checks:
+
+- the pair lands on the device in the asked dtype, and the packed CPU kernels stay off there;
+- fp32: every method of the registry on ``pair=tiny`` and the four ``tiny_<family>`` pairs decodes greedily and
+  by sampling, and a lossless method's greedy output equals ``ar``'s token for token (the walk of
+  ``tests/test_families.py`` and ``tests/test_methods.py``, moved to the device);
+- bf16 (the harness's CUDA default): every method decodes; greedy outputs are not asserted equal, since a
+  multi-token forward may round differently from one-token steps, which the harness's ``divergence`` column
+  names per record (near-tie or not);
+- the harness end to end: the clock, the CUDA peak memory (``torch.cuda.max_memory_allocated``), the GPU's name.
+
+``BENCH_GPU_TEST_DEVICE=cpu`` runs the same tests on the CPU (a dry run of this file where no GPU is lent).
+Tensors created on an implicit device are caught without a GPU by ``tests/test_device.py``.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from bench.registry import get_method, known_methods
+from tests.helpers import assert_greedy_equal_to_ar, build, prompts_for, run
+from tests.test_families import REFUSED
+
+DEVICE = os.environ.get("BENCH_GPU_TEST_DEVICE", "cuda")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(),
+                                                  reason="no CUDA device (BENCH_GPU_TEST_DEVICE=cpu for a dry run)")]
+FAMILIES = {"tiny": "llama", "tiny_gpt2": "gpt2", "tiny_qwen2": "qwen2", "tiny_mistral": "mistral",
+            "tiny_gemma": "gemma"}
+MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def on_device(compose_cfg):
+    """``(pair name, dtype) -> (pair, prompts)`` loaded once each on the device."""
+    from bench.models import load_pair
+
+    loaded = {}
+
+    def get(name, dtype="float32"):
+        if (name, dtype) not in loaded:
+            pair = load_pair(compose_cfg(f"pair={name}", f"device={DEVICE}", f"dtype={dtype}"))
+            loaded[name, dtype] = pair, prompts_for(pair, 2)
+        return loaded[name, dtype]
+
+    return get
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_pair_is_on_the_device_without_packed_kernels(dtype, on_device):
+    from bench.kernels import PackedLinear
+
+    pair, _ = on_device("tiny", dtype)
+    assert pair.device.type == torch.device(DEVICE).type and pair.dtype == getattr(torch, dtype)
+    for lm in (pair.target, *pair.drafts):
+        params = list(lm.module.parameters())
+        assert {p.device.type for p in params} == {pair.device.type} and {p.dtype for p in params} == {pair.dtype}
+        packed = any(isinstance(m, PackedLinear) for m in lm.module.modules())
+        assert packed == (pair.device.type == "cpu" and dtype == "float32")
+
+
+@pytest.mark.parametrize("pair_name", list(FAMILIES))
+@pytest.mark.parametrize("name", known_methods())
+def test_every_method_in_fp32_is_ars_output(name, pair_name, on_device):
+    if (name, FAMILIES[pair_name]) in REFUSED:
+        return  # refused before any model loads (tests/test_families.py asserts the sentence)
+    pair, prompts = on_device(pair_name)
+    method = build(pair, name)
+    if get_method(name).lossless:
+        assert_greedy_equal_to_ar(method, prompts, max_new=MAX_NEW)
+    out = run(method, prompts[0], MAX_NEW, temperature=0.8)
+    assert 0 < len(out.output_ids) <= MAX_NEW
+
+
+@pytest.mark.parametrize("name", known_methods())
+def test_every_method_decodes_in_bf16(name, on_device):
+    pair, prompts = on_device("tiny", "bfloat16")
+    method = build(pair, name)
+    for temperature in (0.0, 0.8):
+        out = run(method, prompts[0], MAX_NEW, temperature)
+        assert 0 < len(out.output_ids) <= MAX_NEW and len(out.accept_lengths) == len(out.drafted)
+
+
+def test_the_harness_on_the_device(compose_cfg, on_device, tmp_path):
+    from bench.runner import run as harness_run
+
+    harness_run(compose_cfg("pair=tiny", "method=sd", f"device={DEVICE}", "dtype=float32", "max_new_tokens=8",
+                            "dataset.n_prompts=2", "warmup=1"), tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    prov = json.loads((tmp_path / "run.json").read_text())
+    assert prov["device"].startswith(DEVICE) and (prov["gpu"] is not None) == DEVICE.startswith("cuda")
+    assert {r["method"] for r in records} == {"sd", "ar"}
+    assert all(r["wall_s"] > 0 and r["peak_mem_bytes"] > 0 and r["new_tokens"] > 0 for r in records)
+    assert all(r["matches_baseline"] for r in records if r["method"] == "sd")
+    if DEVICE.startswith("cuda"):  # the allocator's peak since its reset holds at least the pair's weights
+        pair, _ = on_device("tiny")
+        weights = sum(p.numel() * p.element_size() for lm in (pair.target, *pair.drafts) for p in lm.module.parameters())
+        assert all(r["peak_mem_bytes"] >= weights for r in records)
