@@ -27,6 +27,8 @@ from bench.errors import BenchError
 
 ATTENTION = ("self_attn", "attn")  # Llama-style, GPT-2
 MLP = ("mlp",)
+# The families every method is walked on (tests/test_methods.py, tests/test_families.py; README "Model families").
+FAMILIES = ("llama", "qwen2", "mistral", "gemma", "gpt2")
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -37,7 +39,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         if isinstance(layers, nn.ModuleList):
             return layers
     raise BenchError(f"{type(model).__name__} keeps its decoder layers where this harness does not look "
-                     "(model.layers or transformer.h); supported: Llama-style models and GPT-2.")
+                     f"(model.layers or transformer.h); supported families: {', '.join(FAMILIES)}.")
 
 
 # Families whose keys carry learned absolute positions (added to the input once, so cached keys carry no
@@ -76,7 +78,8 @@ def sublayer_name(layer: nn.Module, kind: str) -> str:
     for name in ATTENTION if kind == "attn" else MLP:
         if isinstance(getattr(layer, name, None), nn.Module):
             return name
-    raise BenchError(f"{type(layer).__name__} has no {kind} sub-layer where this harness looks.")
+    raise BenchError(f"{type(layer).__name__} has no {kind} sub-layer where this harness looks "
+                     f"({' or '.join(ATTENTION if kind == 'attn' else MLP)}); supported families: {', '.join(FAMILIES)}.")
 
 
 def slots(model: nn.Module, attn: list[int], mlp: list[int]) -> list[tuple[nn.Module, str, str]]:
@@ -123,3 +126,34 @@ def skipping(model: nn.Module, attn: list[int], mlp: list[int]):
     finally:
         for layer, name, module in swapped:
             setattr(layer, name, module)
+
+
+def check_layout(model: nn.Module) -> None:
+    """Raise unless every part this module reads is where it looks in ``model``: the decoder layers, and the
+    attention and MLP of each (one sentence naming the supported families)."""
+    for layer in decoder_layers(model):
+        sublayer_name(layer, "attn"), sublayer_name(layer, "mlp")
+
+
+def check_folder_family(path) -> None:
+    """A local model folder (checked by ``bench.inputs.check_model_folder``) of a family this harness has not
+    walked is built without weights (on the ``meta`` device, from its config) and its layout checked: refused in
+    one sentence naming the supported families when the adapter cannot find its parts; taken, with a warning
+    that it is untested, when it can (a Qwen3 or Gemma-2 keeps Llama's layout)."""
+    import logging
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type in FAMILIES:
+        return
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    try:
+        check_layout(skeleton)
+    except BenchError as err:
+        raise BenchError(f"'{path}' holds a model of family '{config.model_type}', which this harness cannot "
+                         f"read: {err}") from None
+    logging.getLogger(__name__).warning("'%s' holds a model of family '%s': its layout is one this harness reads, but "
+                                        "the family is untested here (tested: %s)", path, config.model_type,
+                                        ", ".join(FAMILIES))

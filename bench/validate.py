@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import Field, field_validator
 
-from bench import inputs
+from bench import adapter, inputs
 from bench.data import dataset_settings
 from bench.errors import BenchError
 from bench.models import HubModel, PairSettings
@@ -120,6 +120,7 @@ def check_files(pair: PairSettings, dataset) -> None:
     for key, spec in named:
         if isinstance(spec, HubModel) and inputs.looks_local(spec.id):
             _with_key(key, inputs.check_model_folder, Path(spec.id).expanduser())
+            _with_key(key, adapter.check_folder_family, Path(spec.id).expanduser())
             if key == "pair.target.id":  # the pair's tokenizer is the target's
                 _with_key(key, inputs.check_tokenizer_folder, Path(spec.id).expanduser())
     if dataset.source == "spec_bench" and "://" not in dataset.path:

@@ -173,3 +173,51 @@ def test_bad_family_settings_are_one_sentence(args, needle, capsys, tmp_path):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
     assert not (tmp_path / "run").exists()
+
+
+def local_folder(path, family, **config):
+    """A random ``family`` model with the byte-level tokenizer saved as a local folder (a user's own model)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bench.models import byte_tokenizer
+
+    tok = byte_tokenizer()
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(family, vocab_size=len(tok), **config)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+UNREADABLE = {  # families whose layout bench.adapter does not know: OPT (model.decoder.layers), Mamba (no attention)
+    "opt": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64, word_embed_proj_dim=32),
+    "mamba": dict(hidden_size=32, num_hidden_layers=2, state_size=4),
+}
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+@pytest.mark.parametrize("family", list(UNREADABLE))
+def test_a_local_folder_of_an_unsupported_family_names_the_supported_ones(family, role, tmp_path, capsys):
+    """Refused at validation (no weights load), in one sentence naming the key, the family and the supported ones."""
+    from bench.__main__ import main
+
+    folder = local_folder(tmp_path / family, family, **UNREADABLE[family])
+    key = "pair.target.id" if role == "target" else "pair.drafts.0.id"
+    other = [] if role == "target" else [f"pair.target.id={local_folder(tmp_path / 'gpt2', 'gpt2', n_embd=32, n_layer=2, n_head=2)}"]
+    capsys.readouterr()  # saving's progress bars
+    assert main(["run", "pair=gpt2", *other, f"{key}={folder}", "method=ar", f"hydra.run.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {key}: '{folder}' holds a model of family '{family}'")
+    assert err.endswith("supported families: llama, qwen2, mistral, gemma, gpt2."), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_local_folder_of_an_untested_family_with_a_known_layout_runs(compose_cfg, tmp_path, caplog):
+    """Qwen3 keeps Llama's layout: it is taken with a warning that it is untested, and sd on it is ar's output."""
+    from bench.models import load_pair
+    from bench.validate import validate
+
+    folder = local_folder(tmp_path / "qwen3", "qwen3", hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, intermediate_size=64, head_dim=16, initializer_range=0.4)
+    cfg = validate(compose_cfg("pair=gpt2", f"pair.target.id={folder}", f"pair.drafts.0.id={folder}"))
+    assert "family 'qwen3'" in caplog.text and "untested" in caplog.text
+    pair = load_pair(cfg)
+    assert_greedy_equal_to_ar(build(pair, "sd"), prompts_for(pair, 2), max_new=MAX_NEW)
