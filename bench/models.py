@@ -382,7 +382,8 @@ def load_pair(cfg: DictConfig, train_if_missing: bool = True, n_drafts: int | No
     recipe = RECIPES["quick"] if cfg.get("recipe") is None else check(
         RecipeSettings, OmegaConf.to_container(cfg.recipe, resolve=True), "recipe", f"recipe={cfg.recipe.get('name')}")
     teacher = Teacher(recipe, cache, train_if_missing)
-    # Models load in fp32 on the CPU first: training a missing draft needs fp32 and a frozen target.
+    # Models load in fp32 first: training a missing draft needs fp32 and a frozen target. With a distilled draft
+    # the fp32 target moves to the run's device before it, so the draft trains there (the GPU, when there is one).
     tokenizer = _target_tokenizer(pair_cfg.target, cache)
     specs = list(pair_cfg.get("drafts") or [])[:n_drafts]
     for i, dspec in enumerate(specs):  # before any weights load: a draft that tokenizes otherwise is refused
@@ -390,6 +391,8 @@ def load_pair(cfg: DictConfig, train_if_missing: bool = True, n_drafts: int | No
             check_draft_tokenizer(pair_cfg.name, i, dspec, tokenizer)
     target = _load_target(pair_cfg.target, tokenizer, torch.float32, cache)
     target.eval()
+    if any(spec.source == "distilled" for spec in specs):
+        target.to(device)
     drafts = []
     for i, dspec in enumerate(specs):
         d = _load_draft(dspec, target, tokenizer, torch.float32, teacher)

@@ -150,11 +150,12 @@ def agreement(draft: DraftLM, data: dict, batch_size: int, rows=None) -> float:
     token is the target's: the acceptance rate greedy SD sees at a drafted position whose prefix matched.
     ``rows``: which sequences (default all)."""
     rows = torch.arange(len(data["ids"])) if rows is None else torch.as_tensor(rows)
+    device = draft.vocab_map.device
     hits = total = 0
     for part in rows.split(batch_size):
-        sub, _ = draft.sub_logits(data["ids"][part])
-        mask = data["mask"][part]
-        hits += (draft.vocab_map[sub.argmax(-1)] == data["idx"][part][..., 0])[mask].sum().item()
+        sub, _ = draft.sub_logits(data["ids"][part].to(device))
+        mask = data["mask"][part].to(device)
+        hits += (draft.vocab_map[sub.argmax(-1)] == data["idx"][part][..., 0].to(device))[mask].sum().item()
         total += mask.sum().item()
     return round(hits / total, 4) if total else float("nan")
 
@@ -180,17 +181,19 @@ def train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
     held = store_data(held_store, ("ids", "idx", "mask"))
     m = train["mask"]
     vocab_map = store_vocab(tokenizer, train, int(recipe.vocab), target.config.vocab_size)
+    device = next(target.parameters()).device  # trained where the target is (the run's device)
     to_sub = sub_index(vocab_map, target.config.vocab_size)
     train["prob"] = train["prob"] * m.unsqueeze(-1)  # padding is no label
 
-    draft = draft_from_target(target, list(recipe.layers), vocab_map)
+    draft = draft_from_target(target, list(recipe.layers), vocab_map).to(device)
+    on = to_sub.to(device)
     bs = int(recipe.batch_size)
     report = {"agreement_before": agreement(draft, held, bs)}
     draft.get_input_embeddings().weight.requires_grad_(False)  # the input embedding stays the target's
     params = [p for p in draft.parameters() if p.requires_grad]
     draft.train()
     fit(params, lambda: torch.randperm(len(train["ids"])).split(bs),
-        lambda b: distill_loss(draft, train["ids"][b], train["idx"][b], train["prob"][b], to_sub),
+        lambda b: distill_loss(draft, *(train[f][b].to(device) for f in ("ids", "idx", "prob")), on),
         epochs=int(teacher.recipe.draft_epochs), steps_per_epoch=math.ceil(len(train["ids"]) / bs),
         lr=float(recipe.lr), desc="draft: distilling")
     draft.eval()
@@ -205,7 +208,7 @@ def train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
         vocab=int(vocab_map.numel()),
         vocab_coverage=round(float((to_sub[held["idx"][..., 0][held["mask"]]] >= 0).float().mean()), 4),
     )
-    return draft, report
+    return draft.cpu(), report
 
 
 def draft_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> Artifact:

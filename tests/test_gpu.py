@@ -100,3 +100,15 @@ def test_the_harness_on_the_device(compose_cfg, on_device, tmp_path):
         pair, _ = on_device("tiny")
         weights = sum(p.numel() * p.element_size() for lm in (pair.target, *pair.drafts) for p in lm.module.parameters())
         assert all(r["peak_mem_bytes"] >= weights for r in records)
+
+
+def test_a_distilled_draft_trains_on_the_device(compose_cfg, tmp_path):
+    """A missing distilled draft is trained beside the fp32 target on the run's device, then cast to the run's
+    dtype; under ``sd`` it is ``ar``'s output (fp32)."""
+    from bench.models import load_pair
+
+    pair = load_pair(compose_cfg("pair=tiny", f"device={DEVICE}", "dtype=float32", f"cache_dir={tmp_path}",
+                                 "pair.drafts=[{source: distilled, recipe: {layers: [0, 1]}}]"))
+    assert type(pair.draft.module).__name__ == "DraftLM"
+    assert next(pair.draft.module.parameters()).device.type == torch.device(DEVICE).type
+    assert_greedy_equal_to_ar(build(pair, "sd"), prompts_for(pair, 2), max_new=MAX_NEW)
