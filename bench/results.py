@@ -175,6 +175,7 @@ def provenance(cfg: DictConfig, device: torch.device) -> dict:
         "device": str(device),
         "cpu": cpu_name(),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "cuda": torch.version.cuda if device.type == "cuda" else None,  # the CUDA torch was built with
         "threads": torch.get_num_threads(),
         "seed": cfg.seed,
         "host": platform.node(),

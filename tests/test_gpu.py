@@ -93,6 +93,7 @@ def test_the_harness_on_the_device(compose_cfg, on_device, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     prov = json.loads((tmp_path / "run.json").read_text())
     assert prov["device"].startswith(DEVICE) and (prov["gpu"] is not None) == DEVICE.startswith("cuda")
+    assert (prov["cuda"] is not None) == DEVICE.startswith("cuda")
     assert {r["method"] for r in records} == {"sd", "ar"}
     assert all(r["wall_s"] > 0 and r["peak_mem_bytes"] > 0 and r["new_tokens"] > 0 for r in records)
     assert all(r["matches_baseline"] for r in records if r["method"] == "sd")
