@@ -253,7 +253,6 @@ class Nest(DraftVerify):
             "span_tokens_proposed": self.span_tokens,
             "span_tokens_accepted": self.span_kept,
             "spans_selected": self.gated,  # steps where lambda < delta started a copy (dynamic span selection)
-            "mean_accepted_per_call": ratio(sum(st.accept_lengths), len(st.accept_lengths)),
             "retrieval_weight": ratio(sum(1 - x for x in self.lams), len(self.lams)),  # mean 1 - lambda
             "retrieved": list(dict.fromkeys(docs[self.store.passages[i]["doc"]]["id"] for i in self.retrieved)),
         }

@@ -114,9 +114,9 @@ class Space(DraftVerify):
     @classmethod
     def check_recipe(cls, settings, recipe) -> None:
         k, seq_len = settings.masks, recipe.store.seq_len
-        if seq_len < k + 2:
+        if seq_len < k + 1:  # one token of context, then the k positions the masks guess (_space.random_cuts)
             raise BenchError(f"method={cls.name} trains groups of method.masks={k} masks after at least one token of "
-                             f"context; recipe.store.seq_len={seq_len} must be at least {k + 2}.")
+                             f"context; recipe.store.seq_len={seq_len} must be at least {k + 1}.")
 
     def setup(self, train_if_missing: bool = True) -> None:
         target = self.pair.target.module

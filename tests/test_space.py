@@ -146,7 +146,16 @@ def test_the_trained_embeddings_are_cached_with_their_report(compose_cfg, tmp_pa
 def test_a_store_too_short_for_a_group_is_one_sentence(compose_cfg):
     from bench.validate import validate
 
-    cfg = compose_cfg("method=space", "pair=tiny", "recipe.store.seq_len=6")
+    cfg = compose_cfg("method=space", "pair=tiny", "recipe.store.seq_len=5")
     with pytest.raises(BenchError, match=r"^method=space trains groups of method.masks=5 masks after at least one token "
-                                         r"of context; recipe.store.seq_len=6 must be at least 7.$"):
+                                         r"of context; recipe.store.seq_len=5 must be at least 6.$"):
         validate(cfg)
+
+
+def test_the_shortest_store_allowed_holds_a_group():
+    """At the bound (seq_len = k + 1) every full row has one valid cut, at 1; a shorter row has none."""
+    from methods._space import random_cuts
+
+    mask = torch.tensor([[True] * 6, [True] * 5 + [False]])
+    cuts, valid = random_cuts(mask, 5, 3)
+    assert valid.tolist() == [[True] * 3, [False] * 3] and (cuts[0] == 1).all()
