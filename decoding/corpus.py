@@ -71,18 +71,44 @@ def _sentences(text: str, n: int) -> str:
     return " ".join(text.split(". ")[:n]).strip()
 
 
-def instruction_prompts(n: int, seed: int = 0, split: str | None = None) -> list[str]:
-    """``n`` varied instructions built from packaged text, for the target to answer (self-distillation).
+Instructions = Literal["news+wiki", "mixed"]  # which instructions the teacher store's answers follow
 
-    Sources: Lee *background* articles (the benchmark's news prompts use the held-out ``test`` articles)
-    and the Wikipedia extract. GSM8K is left out on purpose: the benchmark draws its math prompts there.
+
+def instruction_prompts(n: int, seed: int = 0, split: str | None = None, mix: str = "news+wiki") -> list[str]:
+    """``n`` varied instructions for the target to answer (self-distillation).
+
+    ``news+wiki``: tasks on packaged text, Lee *background* articles (the benchmark's news prompts use the
+    held-out ``test`` articles) and the Wikipedia extract. GSM8K is left out on purpose: the benchmark draws its
+    math prompts there. ``mixed``: those for two slots in five, and one each of the kinds the benchmark's other
+    prompts are (:func:`mixed_kinds`): advice and messages (conversation), explaining a topic (open QA), and
+    arithmetic word problems solved step by step (maths), none of them a benchmark prompt.
     ``split``: ``train`` or ``test`` builds them from that split's articles only (Lee train / test, the wiki
-    extract's first nine tenths / last tenth), so a held-out evaluation never reads training text;
-    ``None`` (hierarchy's model database, the scripts): Lee background and every wiki article, as before.
+    extract's first nine tenths / last tenth; the written kinds' last tenth), so a held-out evaluation never
+    reads training text; ``None`` (hierarchy's model database, the scripts): Lee background and every wiki
+    article, as before.
     """
     import random
 
     rng = random.Random(seed)
+    packaged = _packaged_tasks(rng, split)
+    if mix == "news+wiki":
+        return packaged[:n]
+    kinds = {name: items for name, items in mixed_kinds(random.Random(seed + 1), split).items()}
+    pools = {"packaged": iter(packaged), **{name: iter(items) for name, items in kinds.items()}}
+    order = ["packaged", "conversation", "packaged", "qa", "math"]  # two in five on packaged text
+    out: list[str] = []
+    while len(out) < n and pools:
+        for name in order:
+            item = next(pools[name], None) if name in pools else None
+            if item is None:
+                pools.pop(name, None)
+                continue
+            out.append(item)
+    return out[:n]
+
+
+def _packaged_tasks(rng, split: str | None) -> list[str]:
+    """Tasks on Lee articles and Wikipedia passages (summaries, questions on a passage, ...), shuffled."""
     articles = [a[:900] for a in lee_articles(split or "train")]
     wiki = [w[:700] for w in (corpus("wiki", split) if split else wiki_articles())]
     templates = [
@@ -103,4 +129,104 @@ def instruction_prompts(n: int, seed: int = 0, split: str | None = None) -> list
     ]
     pool = [t(a) for a in articles for t in templates] + [t(w) for w in wiki for t in wiki_templates]
     rng.shuffle(pool)
-    return pool[:n]
+    return pool
+
+
+# -------------------------------------------------------------------- instructions of the benchmark's other kinds
+# Written for the store, so that its answers cover what the benchmark asks beyond packaged text. None is a
+# benchmark prompt: the default prompts' own topics (making friends in a new city, houseplants, thanking a
+# colleague; the sky's colour, viruses and bacteria, refrigerators) are left out, and the maths is generated.
+
+GOALS = (
+    "learn to play the guitar", "run my first 10k race", "save money for a trip", "cook healthier meals",
+    "get better sleep", "learn Spanish", "start a vegetable garden", "read more books", "organise my small apartment",
+    "prepare for a job interview", "get better at public speaking", "start a small online business",
+    "keep a daily journal", "learn to swim as an adult", "train my puppy", "reduce my screen time",
+    "plan a birthday party on a budget", "study for exams more effectively", "learn to draw",
+    "stay productive when working from home", "bake bread at home", "get back into exercise after an injury",
+    "write a short story", "learn basic car maintenance", "stop procrastinating", "make my mornings calmer",
+    "learn to code in Python", "take better photos with my phone", "waste less food at home",
+    "ask my manager for a raise", "teach my child to ride a bike", "volunteer in my community", "learn chess",
+    "travel alone for the first time", "meditate regularly", "eat less sugar", "paint my bedroom",
+    "negotiate my rent", "become a better listener", "keep in touch with old friends",
+)
+CONVERSATION = (
+    "I want to {}. Where should I start?",
+    "My friend is trying to {} and asked me for tips. What should I tell them?",
+    "I have been trying to {} for months without much progress. What might I be doing wrong?",
+    "Write a short, encouraging message to a friend who wants to {}.",
+    "What are three common mistakes people make when they try to {}?",
+)
+TOPICS = (
+    "photosynthesis", "the water cycle", "volcanoes", "earthquakes", "black holes", "the immune system",
+    "vaccines", "electricity", "magnets", "the phases of the moon", "ocean tides", "climate change",
+    "the greenhouse effect", "DNA", "evolution", "gravity", "the internet", "solar panels", "batteries",
+    "rainbows", "the human heart", "antibiotics", "inflation", "democracy", "the Roman Empire",
+    "the printing press", "the stock market", "recycling", "plate tectonics", "the speed of light", "sound waves",
+    "the seasons", "clouds", "pollination", "digestion", "nuclear power", "how airplanes fly", "GPS",
+    "compound interest", "the periodic table",
+)
+QA = (
+    "What is {}? Explain it simply.",
+    "Explain {} in a few sentences.",
+    "What should everyone know about {}?",
+    "Give a beginner a simple explanation of {}.",
+)
+NAMES = ("Maria", "Tom", "Aisha", "Kenji", "Lucas", "Priya", "Sam", "Elena", "Omar", "Grace")
+
+
+def _word_problem(rng) -> str:
+    """One arithmetic word problem (two or three steps) with fresh numbers, as the benchmark's maths prompts end."""
+    name, other = rng.sample(NAMES, 2)
+    r = rng.randint
+    kind = r(0, 7)
+    if kind == 0:
+        q = (f"{name} has {r(5, 40)} stickers and buys {r(2, 6)} packs of {r(5, 12)} stickers each, then gives "
+             f"{r(3, 15)} to {other}. How many stickers does {name} have now?")
+    elif kind == 1:
+        q = (f"A shop sells notebooks for ${r(2, 9)} each. {name} buys {r(2, 8)} of them and pays with a $100 bill. "
+             f"How much change does {name} get back?")
+    elif kind == 2:
+        q = (f"A train travels at {r(40, 120)} km per hour for {r(2, 5)} hours, then at {r(40, 120)} km per hour for "
+             f"{r(1, 4)} more hours. How far does it travel in total?")
+    elif kind == 3:
+        per_day = r(10, 40)
+        q = (f"{name} reads {per_day} pages a day. The book has {per_day * r(8, 20) + r(0, 30)} pages. How many pages "
+             f"are left after {r(3, 7)} days?")
+    elif kind == 4:
+        q = (f"{r(1, 9) * 10}% of the {r(2, 10) * 20} students in a school walk to school. How many students do not "
+             "walk to school?")
+    elif kind == 5:
+        q = (f"{name} earns ${r(12, 30)} an hour and works {r(10, 40)} hours a week. How much does {name} earn in "
+             f"{r(2, 6)} weeks?")
+    elif kind == 6:
+        batch = r(2, 4) * 6
+        q = (f"A recipe needs {r(2, 5)} cups of flour for {batch} cookies. How many cups are needed for "
+             f"{batch * r(2, 5)} cookies?")
+    else:
+        q = (f"{name} is {r(6, 15)} years old. {other} is {r(2, 9)} years older than twice {name}'s age. How old will "
+             f"{other} be in {r(2, 10)} years?")
+    return f"{q}\nSolve it step by step, then give the final answer."
+
+
+def mixed_kinds(rng, split: str | None) -> dict[str, list[str]]:
+    """``{"conversation", "qa", "math"}`` -> instructions of that kind, shuffled; ``split`` ``test`` keeps the last
+    tenth of the written ones (every tenth word problem), ``train`` the rest, ``None`` all."""
+    def part(items: list[str]) -> list[str]:
+        if split is None:
+            kept = items
+        else:
+            kept = [x for i, x in enumerate(items) if (i % 10 == 9) == (split == "test")]
+        rng.shuffle(kept)
+        return kept
+
+    import random
+
+    # The problems come from their own generator, before any shuffle: both splits cut the same list.
+    problems = random.Random(0)
+    written = {
+        "conversation": [t.format(goal) for goal in GOALS for t in CONVERSATION],
+        "qa": [t.format(topic) for topic in TOPICS for t in QA],
+        "math": list(dict.fromkeys(_word_problem(problems) for _ in range(2000))),  # each problem once
+    }
+    return {name: part(items) for name, items in written.items()}

@@ -57,7 +57,7 @@ from bench.artifacts import (
 )
 from bench.errors import BenchError
 from bench.schema import Settings
-from decoding.corpus import Corpus, corpus, instruction_prompts
+from decoding.corpus import Corpus, Instructions, corpus, instruction_prompts
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,18 @@ class StoreSettings(Settings):
                          "verifier's sampling labels and the teacher loss need them")
     batch_size: int = Field(8, ge=1, description="sequences per teacher-forced forward")
     seed: int = Field(0, ge=0, description="which instructions are answered, in which order")
+    instructions: Instructions = Field("news+wiki", description="what the answered instructions are: news+wiki = "
+                                       "tasks on packaged articles; mixed = those in two of five, with advice, "
+                                       "explanations of topics and arithmetic word problems (decoding/corpus.py)")
+
+    def key(self, kind: str = "answers") -> dict:
+        """The settings as store shards (of ``kind``) and trained parts are keyed by. ``instructions`` enters only
+        for answers, and only when it is not ``news+wiki``, the one kind there was before it was a setting: what
+        was built then keeps its key, and the teacher-forced text shards are shared by both."""
+        data = self.model_dump(mode="json")
+        if data["instructions"] == "news+wiki" or kind == "text":
+            del data["instructions"]
+        return data
 
 
 class RecipeSettings(Settings):
@@ -107,7 +119,7 @@ class RecipeSettings(Settings):
         """What a trained artifact of ``trainer`` (draft, heads, verifier) depends on in the recipe: the store's
         contents, how many of its tokens are read and for how many epochs (not the recipe's name, nor the
         held-out size, which changes only the report)."""
-        return {"store": self.store.model_dump(mode="json"), "tokens": self.tokens,
+        return {"store": self.store.key(), "tokens": self.tokens,
                 "epochs": getattr(self, f"{trainer}_epochs")}
 
     @property
@@ -297,7 +309,7 @@ class _Sources:
     @cached_property
     def prompts(self) -> list[str]:
         # Every instruction built from this split's articles, shuffled by seed: held-out text never leaks in.
-        return instruction_prompts(10**6, self.s.seed, self.split)
+        return instruction_prompts(10**6, self.s.seed, self.split, self.s.instructions)
 
     def text(self, i: int) -> torch.Tensor:
         """Text shard ``i``: ``LongTensor (S, L)``, the i-th slice of the stream."""
@@ -343,7 +355,7 @@ def shard_artifact(target, tokenizer, settings: StoreSettings, split: str, j: in
                    sources: _Sources, fingerprint: dict) -> Artifact:
     """Shard ``j`` of the ``split`` store, as an artifact: built by labelling its text (or generating, then
     labelling, its answers), loaded memory-mapped."""
-    key = {"target": fingerprint, "store": settings.model_dump(mode="json"), "split": split, "shard": j, "kind": kind}
+    key = {"target": fingerprint, "store": settings.key(kind[0]), "split": split, "shard": j, "kind": kind}
 
     def build(folder: Path) -> dict:
         _ = sources.stream if kind[0] == "text" else sources.prompts  # read once, before the clock: not labelling

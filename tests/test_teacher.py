@@ -188,3 +188,32 @@ def test_a_truncated_shard_is_rebuilt_and_a_foreign_one_refused(tiny_pair, tmp_p
                                          r"delete that folder"):
         grow(tiny_pair, 2, tmp_path, answers=0)
     assert counted_labels["n"] == 3
+
+
+def test_mixed_instructions_cover_the_benchmarks_kinds_without_its_prompts():
+    """``recipe.store.instructions=mixed``: packaged-text tasks two in five, then advice, explanations and word
+    problems; the splits share nothing, and no instruction trained on is one of the default prompts."""
+    from bench.data import builtin_prompts
+    from decoding.corpus import CONVERSATION, GOALS, QA, TOPICS, instruction_prompts
+
+    train, test = (instruction_prompts(10**6, 0, split, "mixed") for split in ("train", "test"))
+    assert not set(train) & set(test)
+    first = train[:500]
+    maths = [p for p in first if p.endswith("Solve it step by step, then give the final answer.")]
+    advice = [p for p in first if p in {t.format(g) for t in CONVERSATION for g in GOALS}]
+    topics = [p for p in first if p in {t.format(x) for t in QA for x in TOPICS}]
+    assert len(maths) == len(advice) == len(topics) == 100
+    assert not {p.turns[0] for p in builtin_prompts({})} & set(train)  # (the held-out split reads Lee's test articles)
+    assert instruction_prompts(50, 0, "train") == instruction_prompts(50, 0, "train", "news+wiki")
+
+
+def test_mixed_instructions_share_the_text_shards_and_key_their_answers(tiny_pair, tmp_path, counted_labels):
+    """Only answer shards depend on the instructions: a mixed store labels its answers anew and reuses the
+    text shards; the default's keys are those of before the setting existed (no ``instructions`` in them)."""
+    assert "instructions" not in StoreSettings().key() and StoreSettings(instructions="mixed").key()["instructions"]
+    plain = grow(tiny_pair, 3, tmp_path)
+    assert counted_labels["n"] == 3
+    mixed = grow(tiny_pair, 3, tmp_path, instructions="mixed")
+    assert counted_labels["n"] == 4  # its one answers shard
+    assert np.array_equal(mixed.shards[0]["ids"], plain.shards[0]["ids"])
+    assert not np.array_equal(mixed.shards[2]["ids"], plain.shards[2]["ids"])
