@@ -85,3 +85,25 @@ def test_recipe_report_says_how_to_train_what_is_missing(tmp_path, cache_dir):
                           "--out", str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 2 and "python -m bench train method" in res.stderr.strip().splitlines()[-1]
+
+
+def test_answer_agreement_counts_answer_tokens_only(tmp_path, cache_dir, tiny_pair):
+    """The target agrees with its own greedy answers everywhere on answer tokens (1.0), not on the prompt's; the
+    script end to end writes one row per prompt set."""
+    import importlib.util
+
+    from decoding.teacher import target_answers
+
+    spec = importlib.util.spec_from_file_location("answer_agreement", ROOT / "scripts" / "answer_agreement.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    target, tok = tiny_pair.target.module, tiny_pair.tokenizer
+    rows = [(p, a) for p, a, _, _ in target_answers(target, tok, ["Tell me a story.", "Why is it so?"], 2, 8, "t")]
+    got = module.agreement(target, rows, 256)
+    assert got["answer_agreement"] == 1.0 and got["row_agreement"] < 1.0 and got["answer_tokens"] == 16
+
+    script("answer_agreement.py", "--out", str(tmp_path), "--prompts", "2", "pair=tiny", "recipe=smoke",
+           cache_dir=cache_dir)
+    rows = only_json(tmp_path)["rows"]
+    assert [r["prompts"] for r in rows] == ["default prompts", "held-out, packaged text", "held-out, other kinds"]
+    assert [r["n"] for r in rows] == [18, 2, 2] and all(0 <= r["answer_agreement"] <= 1 for r in rows)
