@@ -200,7 +200,8 @@ def train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
     answers = [i for i in range(len(held["ids"])) if held_store.kind(i) == "answers"]
     report.update(
         agreement_after=agreement(draft, held, bs),
-        # On the target's own held-out answers: the kind of text greedy SD drafts for.
+        # On the target's own held-out answer rows (the prompt's end, then the answer; answer tokens alone, the
+        # positions greedy SD drafts for: scripts/answer_agreement.py).
         answer_agreement=agreement(draft, held, bs, answers) if answers else None,
         recipe=teacher.recipe.name,
         train_tokens=int(m.sum()),

@@ -9,7 +9,8 @@ Reads the cached training reports of every trained part under the recipe (``trai
 that is not trained is one sentence saying how to train it) and prints them against issue 12's targets:
 
 - the distilled draft: greedy agreement with the target on held-out text and on the target's own held-out answers
-  (the positions greedy SD drafts for); with ``--sweep``, its acceptance α while decoding (the target: >= 0.35);
+  (rows of the prompt's end, then the answer: ``scripts/answer_agreement.py`` counts answer tokens alone, the
+  positions greedy SD drafts for); with ``--sweep``, its acceptance α while decoding (the target: >= 0.35);
 - Medusa / Hydra / Hydra++ / Amphista heads: held-out top-1 agreement per head (targets: Medusa head 0 >= 0.35,
   Hydra >= Medusa at every head); with ``--sweep``, whether amphista accepts more per target call than medusa
   (issue 13);
