@@ -178,7 +178,7 @@ def train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
     target = target.float().eval()
     train = store_data(teacher.store(target, tokenizer, "train"))
     held_store = teacher.store(target, tokenizer, "test")
-    held = store_data(held_store, ("ids", "idx", "mask"))
+    held = store_data(held_store, ("ids", "idx", "mask", "answer"))
     m = train["mask"]
     vocab_map = store_vocab(tokenizer, train, int(recipe.vocab), target.config.vocab_size)
     device = next(target.parameters()).device  # trained where the target is (the run's device)
@@ -200,9 +200,11 @@ def train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
     answers = [i for i in range(len(held["ids"])) if held_store.kind(i) == "answers"]
     report.update(
         agreement_after=agreement(draft, held, bs),
-        # On the target's own held-out answer rows (the prompt's end, then the answer; answer tokens alone, the
-        # positions greedy SD drafts for: scripts/answer_agreement.py).
+        # On the target's own held-out answer rows (the prompt's end, then the answer), and on the answer's tokens
+        # alone: the positions greedy SD drafts for, what its acceptance α follows.
         answer_agreement=agreement(draft, held, bs, answers) if answers else None,
+        answer_token_agreement=agreement(draft, {**held, "mask": held["mask"] & held["answer"]}, bs, answers)
+        if answers else None,
         recipe=teacher.recipe.name,
         train_tokens=int(m.sum()),
         heldout_tokens=int(held["mask"].sum()),

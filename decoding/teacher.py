@@ -23,7 +23,9 @@ full``, :class:`RecipeSettings`); :class:`Teacher` hands every trainer of a run 
 Per shard (S sequences, L = seq_len, k = topk, H = hidden size):
 ``ids (S, L) int32``, ``mask (S, L) bool`` (False on padding), ``idx (S, L, k) int32`` and ``prob (S, L, k)
 float16`` (the target's top-k at each position: ``idx[..., 0]`` is its greedy next token), ``hidden (S, L, H)
-float16`` (only with ``hidden: true``).
+float16`` (only with ``hidden: true``); answer shards also ``answer (S, L) bool``: True where the next token is
+the target's own answer (the end of the prompt before it is labelled too, but is not on-policy text); a text
+shard's is all False and is not stored.
 
 Beside the shards, and only when a trainer asks (:meth:`Teacher.kv_store`; GliDe's draft cross-attends to them):
 the target's keys and values of one decoder layer at every position of a shard's ``ids``, ``k`` and ``v``
@@ -61,7 +63,7 @@ from decoding.corpus import Corpus, Instructions, corpus, instruction_prompts
 
 log = logging.getLogger(__name__)
 
-FILES = ("ids", "mask", "idx", "prob", "hidden")
+FILES = ("ids", "mask", "idx", "prob", "hidden", "answer")
 
 
 class StoreSettings(Settings):
@@ -185,8 +187,8 @@ class TeacherStore:
 
     def rows(self, index, fields=FILES) -> dict[str, torch.Tensor]:
         """Sequences ``index`` (ints in ``[0, len)``) as tensors: ``ids``, ``idx`` LongTensor, ``prob``,
-        ``hidden`` FloatTensor, ``mask`` BoolTensor (those of ``fields`` the store has); only those rows are
-        read from disk."""
+        ``hidden`` FloatTensor, ``mask`` and ``answer`` BoolTensor (those of ``fields`` the store has; ``answer`` is
+        all False for a text shard); only those rows are read from disk."""
         per = self.per_shard
         out: dict[str, list] = {}
         for i in index:
@@ -196,7 +198,10 @@ class TeacherStore:
             for name in fields:
                 if name in shard:
                     out.setdefault(name, []).append(np.asarray(shard[name][row]))
-        cast = {"ids": torch.long, "idx": torch.long, "prob": torch.float32, "hidden": torch.float32, "mask": torch.bool}
+                elif name == "answer":  # a text shard: no position is followed by an answer token
+                    out.setdefault(name, []).append(np.zeros(shard["ids"].shape[1], dtype=bool))
+        cast = {"ids": torch.long, "idx": torch.long, "prob": torch.float32, "hidden": torch.float32, "mask": torch.bool,
+                "answer": torch.bool}
         return {name: torch.from_numpy(np.stack(v)).to(cast[name]) for name, v in out.items()}
 
 
@@ -324,7 +329,8 @@ class _Sources:
 
     def answers(self, target, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Answers shard ``i``: the target's greedy answers to instructions ``[i*S, (i+1)*S)``, each row its
-        prompt's last tokens then the answer, right-padded with EOS; ``(ids (S, L), mask (S, L))``."""
+        prompt's last tokens then the answer, right-padded with EOS; ``(ids (S, L), mask (S, L), answer (S, L))``,
+        ``answer`` True at the positions whose next token is the answer's (the labels greedy SD drafts for)."""
         S, L = sequences_per_shard(self.s, self.split), self.s.seq_len
         prompts = self.prompts[i * S : (i + 1) * S]
         if len(prompts) < S:
@@ -332,12 +338,15 @@ class _Sources:
                              "up; ask for fewer recipe.tokens (or eval_tokens) or a smaller recipe.store.answers share.")
         ids = torch.full((S, L), self.tok.eos_token_id, dtype=torch.long)
         mask = torch.zeros(S, L, dtype=torch.bool)
+        answer = torch.zeros(S, L, dtype=torch.bool)
         gen = target_answers(target, self.tok, prompts, self.s.answer_batch, self.s.answer_tokens,
                              f"store: target answers (shard {i})")
-        for row, (prompt, answer, _, _) in enumerate(gen):
-            seq = torch.cat([prompt, answer])[-L:]  # a long prompt keeps its end: the part the answer follows
+        for row, (prompt, reply, _, _) in enumerate(gen):
+            seq = torch.cat([prompt, reply])[-L:]  # a long prompt keeps its end: the part the answer follows
             ids[row, : len(seq)], mask[row, : len(seq)] = seq, True
-        return ids, mask
+            # Position t's label is the token at t + 1: the reply's tokens are the last len(reply) of the row.
+            answer[row, max(len(seq) - len(reply) - 1, 0) : len(seq) - 1] = True
+        return ids, mask, answer
 
 
 def label(target, ids: torch.Tensor, settings: StoreSettings) -> dict[str, np.ndarray]:
@@ -360,12 +369,14 @@ def shard_artifact(target, tokenizer, settings: StoreSettings, split: str, j: in
     def build(folder: Path) -> dict:
         _ = sources.stream if kind[0] == "text" else sources.prompts  # read once, before the clock: not labelling
         start = time.perf_counter()
+        extra = {}
         if kind[0] == "text":
             ids = sources.text(kind[1])
             mask = torch.ones_like(ids, dtype=torch.bool)
         else:
-            ids, mask = sources.answers(target, kind[1])
-        arrays = {"ids": ids.int().numpy(), "mask": mask.numpy(), **label(target, ids, settings)}
+            ids, mask, answer = sources.answers(target, kind[1])
+            extra["answer"] = answer.numpy()
+        arrays = {"ids": ids.int().numpy(), "mask": mask.numpy(), **extra, **label(target, ids, settings)}
         for name, arr in arrays.items():
             np.save(folder / f"{name}.npy", arr)
         seconds = time.perf_counter() - start
@@ -377,14 +388,17 @@ def shard_artifact(target, tokenizer, settings: StoreSettings, split: str, j: in
                 if (folder / f"{name}.npy").exists()}
 
     store = f"store-{split}-{content_key(fingerprint, key['store'])}"
-    # version 2: instructions drawn from the split's own articles; held-out shards a quarter the size.
-    return Artifact("teacher", f"{store}/shard-{j:05d}", key, build, load, version=2, description=f"teacher store shard {j}",
+    # version 2: instructions drawn from the split's own articles; held-out shards a quarter the size. Answer
+    # shards 3: they hold ``answer`` (text shards, unchanged, keep 2 and their labels).
+    version = 3 if kind[0] == "answers" else 2
+    return Artifact("teacher", f"{store}/shard-{j:05d}", key, build, load, version=version,
+                    description=f"teacher store shard {j}",
                     hint="run 'python -m bench train store' with the same pair= and recipe= (or train_if_missing=true)")
 
 
 def shard_bytes(settings: StoreSettings, hidden_size: int, sequences: int) -> int:
     """Bytes one shard of ``sequences`` rows takes on disk (its .npy arrays)."""
-    per_position = 4 + 1 + settings.topk * (4 + 2) + (2 * hidden_size if settings.hidden else 0)
+    per_position = 4 + 1 + 1 + settings.topk * (4 + 2) + (2 * hidden_size if settings.hidden else 0)  # ids mask answer
     return sequences * settings.seq_len * per_position
 
 

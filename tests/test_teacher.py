@@ -60,10 +60,16 @@ def test_shards_hold_the_targets_own_outputs(tiny_pair, tmp_path):
     assert rows["mask"][:8].all()  # text has no padding
     src = teacher._Sources(tok, store.settings, "train")
     answers = teacher.target_answers(target, tok, src.prompts[:4], 4, 8, "answers")
-    for ids, mask, (prompt, answer, _, _) in zip(rows["ids"][8:], rows["mask"][8:], answers):
+    assert not rows["answer"][:8].any()  # text: no position is followed by an answer token
+    for ids, mask, on, (prompt, answer, _, _) in zip(rows["ids"][8:], rows["mask"][8:], rows["answer"][8:], answers):
         n = int(mask.sum())
         assert mask[:n].all() and (ids[n:] == tok.eos_token_id).all()  # the row, then EOS padding
         assert ids[:n].tolist() == torch.cat([prompt, answer]).tolist()[-32:]  # the prompt's end, then the answer
+        # ``answer`` marks the positions whose label (the next token) is the answer's: the target's greedy choice.
+        at = on.nonzero().flatten()
+        assert at.tolist() == list(range(n - len(answer) - 1, n - 1)) and len(at) == len(answer)
+        # (their labels are the target's prediction from the row's context: a prompt cut to fit the row can make
+        # it other than the token it generated from the whole prompt)
 
 
 def test_growing_keeps_what_was_labelled(tiny_pair, tmp_path, counted_labels):
