@@ -152,16 +152,18 @@ def eagle_loss(draft: EagleDraft, batch: dict, embed, recipe, adversary: Adversa
 
 
 @torch.no_grad()
-def eagle_agreement(draft: EagleDraft, store, embed, batch_size: int, rows=None, device=None) -> float:
-    """Fraction of the store's positions (``rows``: those sequences only) where the draft's greedy token from
-    (f_t, x_{t+1}) equals the target's greedy token after t + 1: the acceptance of a depth-1 draft token."""
+def eagle_agreement(draft: EagleDraft, store, embed, batch_size: int, rows=None, device=None,
+                    answer_only: bool = False) -> float:
+    """Fraction of the store's positions (``rows``: those sequences only; ``answer_only``: those whose label is
+    the target's own answer token) where the draft's greedy token from (f_t, x_{t+1}) equals the target's greedy
+    token after t + 1: the acceptance of a depth-1 draft token."""
     hits = total = 0
     rows = list(range(len(store))) if rows is None else list(rows)
     for part in torch.tensor(rows, dtype=torch.long).split(batch_size):
-        b = {n: t.to(device) for n, t in store.rows(part, ("ids", "idx", "mask", "hidden")).items()}
+        b = {n: t.to(device) for n, t in store.rows(part, ("ids", "idx", "mask", "hidden", "answer")).items()}
         guess = draft(b["hidden"][:, :-1].float(), embed(b["ids"][:, 1:]))
         pred = draft.vocab_map[draft.head(guess).argmax(-1)]
-        keep = b["mask"][:, :-1] & b["mask"][:, 1:]
+        keep = b["mask"][:, :-1] & b["mask"][:, 1:] & (b["answer"][:, 1:] | (not answer_only))
         hits += (pred == b["idx"][:, 1:, 0])[keep].sum().item()
         total += keep.sum().item()
     return round(hits / max(total, 1), 4)
@@ -201,6 +203,7 @@ def train_eagle(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
         agreement_after=eagle_agreement(draft, held, embed, bs, device=device),
         # On the target's own held-out answers: the kind of text a greedy decode drafts for.
         answer_agreement=eagle_agreement(draft, held, embed, bs, answers, device) if answers else None,
+        answer_token_agreement=eagle_agreement(draft, held, embed, bs, answers, device, True) if answers else None,
         layers=layers,
         **(adversary.report() if adversary is not None else {}),
         recipe=teacher.recipe.name,

@@ -268,21 +268,22 @@ def glide_loss(draft: GlideDraft, batch: dict, embed, to_sub: torch.Tensor, bloc
 
 @torch.no_grad()
 def glide_agreement(draft: GlideDraft, store, kv, embed, batch_size: int, offset: int = 0, rows=None,
-                    device=None) -> float:
+                    device=None, answer_only: bool = False) -> float:
     """Fraction of the store's text positions t (``rows``: those sequences only; t > ``offset``) where the draft,
     reading x_t and seeing the target's keys before t - ``offset``, proposes the target's greedy token: the view
     of draft token ``offset + 1`` after a verification (x_{t-offset} pending), so the acceptance of that token
     when the ones before it were right (exact for one block, whose self-attention does not read the
-    cross-attention; deeper drafts see their earlier rows under this view too)."""
+    cross-attention; deeper drafts see their earlier rows under this view too). ``answer_only``: only positions
+    whose label is the target's own answer token."""
     hits = total = 0
     rows = list(range(len(store))) if rows is None else list(rows)
     for part in torch.tensor(rows, dtype=torch.long).split(batch_size):
-        b = read_rows(store, kv, part, ("ids", "idx", "mask"), device)
+        b = read_rows(store, kv, part, ("ids", "idx", "mask", "answer"), device)
         T = b["ids"].shape[1]
         positions = torch.arange(T, device=device)
         visible = (torch.arange(T, device=device)[None] < (positions - offset)[:, None])[None]
         pred = draft.vocab_map[draft.head(draft(embed(b["ids"]), positions, b["k"], b["v"], visible)).argmax(-1)]
-        keep = b["mask"] & (positions > offset)
+        keep = b["mask"] & (positions > offset) & (b["answer"] | (not answer_only))
         hits += (pred == b["idx"][..., 0])[keep].sum().item()
         total += keep.sum().item()
     return round(hits / total, 4) if total else float("nan")
@@ -325,6 +326,8 @@ def train_glide(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
         agreement_after=by_offset[0],
         # On the target's own held-out answers: the kind of text a greedy decode drafts for.
         answer_agreement=glide_agreement(draft, held, held_kv, embed, bs, rows=answers, device=device) if answers else None,
+        answer_token_agreement=glide_agreement(draft, held, held_kv, embed, bs, rows=answers, device=device,
+                                               answer_only=True) if answers else None,
         agreement_by_offset=by_offset,
         layers=int(recipe.layers),
         layer=layer,

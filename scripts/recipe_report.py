@@ -146,7 +146,8 @@ def main(argv: list[str]) -> int:
           f"{v.get('precision'):.3f}, recall {v.get('recall'):.3f}, accept rate {v.get('accept_rate'):.3f}")
     e = reports["eagle"]
     print(f"\nEAGLE draft layer: held-out depth-1 agreement {e.get('agreement_before')} -> {e.get('agreement_after')}, "
-          f"on target answers {e.get('answer_agreement')}, {e.get('train_tokens')} tokens")
+          f"on target answers {e.get('answer_agreement')} (answer tokens alone {e.get('answer_token_agreement')}), "
+          f"{e.get('train_tokens')} tokens")
     koala = [[f"koala (base={b})", reports[f"koala (base={b})"].get("layers"),
               reports[f"koala (base={b})"].get("discriminator_auc_mean"), *koala_vs_base(reports, b)] for b in ("medusa", "eagle")]
     print("\n" + tabulate(koala, headers=["KOALA", "K", "discriminator AUC", "held-out agreement", "its base's"]))

@@ -135,6 +135,7 @@ def test_a_draft_layer_built_for_another_target_is_refused(compose_cfg, tmp_path
     pair = load_pair(compose_cfg("pair=tiny", f"cache_dir={tmp_path}"))
     method = build(pair, "eagle")
     assert method.report["agreement_after"] >= 0 and method.report["recipe"] == "smoke"
+    assert 0 <= method.report["answer_token_agreement"] <= 1  # on the held-out answers' tokens alone
     (folder,) = [p for p in (tmp_path / "eagle").iterdir() if p.is_dir()]
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["key"]["target"]["weights"] = "0" * 16  # files copied in from another target's cache

@@ -202,6 +202,7 @@ def test_the_trained_draft_is_cached_with_its_report(compose_cfg, tmp_path):
     report = method.report
     assert report["recipe"] == "smoke" and report["layer"] == 2 and report["train_tokens"] == 4096
     assert len(report["agreement_by_offset"]) == 4 and 0 <= report["agreement_after"] <= 1
+    assert 0 <= report["answer_token_agreement"] <= 1
     (folder,) = [p for p in (tmp_path / "glide").iterdir() if p.is_dir()]
     (folder / "glide.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(BenchError, match=r"GliDe draft at .* cannot be used \(glide.pt has 16 bytes.*python -m bench "
