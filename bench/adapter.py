@@ -132,7 +132,8 @@ def check_layout(model: nn.Module) -> None:
     """Raise unless every part this module reads is where it looks in ``model``: the decoder layers, and the
     attention and MLP of each (one sentence naming the supported families)."""
     for layer in decoder_layers(model):
-        sublayer_name(layer, "attn"), sublayer_name(layer, "mlp")
+        sublayer_name(layer, "attn")
+        sublayer_name(layer, "mlp")
 
 
 def check_folder_family(path) -> None:
@@ -144,11 +145,15 @@ def check_folder_family(path) -> None:
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path)
-    if config.model_type in FAMILIES:
-        return
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+    try:
+        config = AutoConfig.from_pretrained(path)
+        if config.model_type in FAMILIES:
+            return
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except Exception as err:  # a foreign config fails in many ways (strict field checks, shapes): one sentence
+        detail = " ".join(str(err).split())[:300] or type(err).__name__
+        raise BenchError(f"transformers cannot build a model from '{path}/config.json' ({detail}).") from None
     try:
         check_layout(skeleton)
     except BenchError as err:

@@ -221,3 +221,17 @@ def test_a_local_folder_of_an_untested_family_with_a_known_layout_runs(compose_c
     assert "family 'qwen3'" in caplog.text and "untested" in caplog.text
     pair = load_pair(cfg)
     assert_greedy_equal_to_ar(build(pair, "sd"), prompts_for(pair, 2), max_new=MAX_NEW)
+
+
+def test_a_local_folder_whose_config_transformers_cannot_build_is_one_sentence(tmp_path):
+    import json
+
+    from bench.adapter import check_folder_family
+
+    folder = local_folder(tmp_path / "qwen3", "qwen3", hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, intermediate_size=64, head_dim=16)
+    config = json.loads((tmp_path / "qwen3" / "config.json").read_text())
+    (tmp_path / "qwen3" / "config.json").write_text(json.dumps({**config, "head_dim": None}))
+    with pytest.raises(BenchError, match=r"^transformers cannot build a model from '.*qwen3/config.json' "
+                                         r"\(.*head_dim.*\)\.$"):
+        check_folder_family(folder)
