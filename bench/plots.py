@@ -241,12 +241,13 @@ def make_figures(df: pd.DataFrame, runs: list[dict], out_dir: Path) -> dict:
 
 
 def learning_curve(curve: dict):
-    """Held-out acceptance against teacher tokens: the distilled draft's greedy agreement (text, target answers)
-    and each head's top-1 agreement (one line per head, Medusa solid, Hydra dashed), log-scaled tokens."""
+    """Held-out acceptance against teacher tokens: the distilled draft's greedy agreement (text, target answer rows,
+    the answers' tokens alone) and each head's top-1 agreement (one line per head, Medusa solid, Hydra dashed), log-scaled tokens."""
     rows = curve["rows"]
     x = [r["tokens"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(DOUBLE, 2.4))
-    for key, name, style in (("draft_answers", "on target answers", "o-"), ("draft_text", "on text", "s--")):
+    for key, name, style in (("draft_answer_tokens", "on answer tokens (what α follows)", "^-"),
+                             ("draft_answers", "on target answer rows", "o-"), ("draft_text", "on text", "s--")):
         y = [r.get(key) for r in rows]
         if any(v is not None for v in y):
             left.plot(x, [math.nan if v is None else v for v in y], style, ms=3, label=name)

@@ -49,6 +49,7 @@ def point(overrides: list[str], tokens: int, methods: list[str]) -> tuple[dict, 
     if specs:
         d = draft_report(pair.target.module, pair.tokenizer, specs[0].recipe, pair.teacher)
         row.update(draft_text=d["agreement_after"], draft_answers=d.get("answer_agreement"),
+                   draft_answer_tokens=d.get("answer_token_agreement"),  # what alpha follows (None: trained before)
                    train_tokens=d["train_tokens"])
     for name in methods:
         method = get_method(name)(get_method(name).settings({}), pair)

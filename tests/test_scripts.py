@@ -66,6 +66,7 @@ def test_learning_curve_trains_each_budget_and_the_report_draws_it(tmp_path, cac
     assert [r["tokens"] for r in curve["rows"]] == [1024, 2048] and curve["recipe"] == "smoke"
     for row in curve["rows"]:
         assert 0 <= row["draft_text"] <= 1 and 0 <= row["draft_answers"] <= 1 and len(row["medusa"]) == 4
+        assert 0 <= row["draft_answer_tokens"] <= 1
     assert curve["rows"][0]["train_tokens"] < curve["rows"][1]["train_tokens"]
     assert (folder / "learning_curve.png").stat().st_size > 0 and (folder / "learning_curve.pdf").exists()
 
