@@ -168,24 +168,37 @@ def agreement(target, emb: MaskEmbeddings, store: TeacherStore, batch_size: int,
               seed: int = 0) -> dict:
     """Held-out top-1 agreement of each mask with the target: the fraction of cuts n where mask j's greedy
     token equals the target's greedy token after x_{n+j} (the chance that candidate j is right given that the
-    ones before it were), at ``cuts_per_row`` seeded cuts per row; on all rows and on the target's own answers."""
+    ones before it were), at ``cuts_per_row`` seeded cuts per row; on all rows (``all``), on the target's own
+    answer rows (``answers``) and where mask j's label is an answer token (``answer_tokens``)."""
     device = next(target.parameters()).device
     k = emb.masks
     gen = torch.Generator().manual_seed(seed)
-    hits = {"all": torch.zeros(k), "answers": torch.zeros(k)}
-    total = {"all": torch.zeros(1), "answers": torch.zeros(1)}
+    hits = {"all": torch.zeros(k), "answers": torch.zeros(k), "answer_tokens": torch.zeros(k)}
+    total = {"all": torch.zeros(k), "answers": torch.zeros(k), "answer_tokens": torch.zeros(k)}
     answers = torch.tensor([store.kind(i) == "answers" for i in range(len(store))])
     for part in torch.arange(len(store)).split(batch_size):
-        batch = {n: t.to(device) for n, t in store.rows(part, FIELDS).items()}
+        batch = {n: t.to(device) for n, t in store.rows(part, (*FIELDS, "answer")).items()}
         cuts, valid = random_cuts(batch["mask"].cpu(), k, cuts_per_row, gen)
         cuts, valid = cuts.to(device), valid.to(device)
         guess = group_logits(target, row_cache(target, batch["ids"]), cuts, emb().to(device)).argmax(-1)
-        hit = (guess == labels_at(batch, cuts, k)[0][..., 0]) & valid[..., None]  # (B, m, k)
-        for name, rows in (("all", slice(None)), ("answers", answers[part].to(device))):
-            hits[name] += hit[rows].sum((0, 1)).float().cpu()
-            total[name] += valid[rows].sum().float().cpu()
-    return {name: ([round(float(h), 4) for h in hits[name] / total[name]] if total[name] > 0 else None)
+        counted = valid[..., None].expand(-1, -1, k)  # (B, m, k)
+        # Mask j's label sits at cut + j: the answer-token figure counts it where that label is the answer's.
+        on_answer = counted & answer_at(batch["answer"], cuts, k)
+        hit = guess == labels_at(batch, cuts, k)[0][..., 0]  # (B, m, k)
+        for name, rows, where in (("all", slice(None), counted), ("answers", answers[part].to(device), counted),
+                                  ("answer_tokens", slice(None), on_answer)):
+            hits[name] += (hit & where)[rows].sum((0, 1)).float().cpu()
+            total[name] += where[rows].sum((0, 1)).float().cpu()
+    return {name: ([round(float(h), 4) for h in hits[name] / total[name]] if total[name].all() else None)
             for name in hits}
+
+
+def answer_at(answer: torch.Tensor, cuts: torch.Tensor, masks: int) -> torch.Tensor:
+    """``(B, m, k)``: whether the label of mask j at cut n (position n + j) is the target's own answer token
+    (``answer (B, T)``, the store's answer mask)."""
+    B, m = cuts.shape
+    pos = (cuts[..., None] + torch.arange(masks, device=cuts.device)).reshape(B, m * masks)
+    return answer.gather(1, pos.clamp_max(answer.shape[1] - 1)).view(B, m, masks)
 
 
 class frozen:
@@ -226,7 +239,8 @@ def train_space(target, tokenizer, masks: int, recipe: DictConfig, teacher: Teac
             epochs=int(teacher.recipe.space_epochs), steps_per_epoch=math.ceil(len(train) / bs), lr=float(recipe.lr),
             desc=f"space: training {masks} mask embeddings through the frozen target")
         after = agreement(target, emb, held, bs, cuts)
-    report.update(agreement_after=after["all"], answer_agreement=after["answers"], masks=masks,
+    report.update(agreement_after=after["all"], answer_agreement=after["answers"],
+                  answer_token_agreement=after["answer_tokens"], masks=masks,
                   recipe=teacher.recipe.name, train_tokens=int(train.tokens))
     return emb.cpu().eval(), report
 

@@ -120,6 +120,7 @@ def test_training_leaves_the_target_unchanged(tiny_pair, tmp_path):
         assert torch.equal(p, before[n]) and p.requires_grad == flags[n] and p.grad is None, n
     assert emb().shape == (2, target.config.hidden_size)
     assert len(report["agreement_after"]) == 2 and all(0 <= a <= 1 for a in report["agreement_after"])
+    assert len(report["answer_token_agreement"]) == 2 and all(0 <= a <= 1 for a in report["answer_token_agreement"])
     assert report["recipe"] == "smoke" and report["train_tokens"] > 0
 
 
@@ -159,3 +160,10 @@ def test_the_shortest_store_allowed_holds_a_group():
     mask = torch.tensor([[True] * 6, [True] * 5 + [False]])
     cuts, valid = random_cuts(mask, 5, 3)
     assert valid.tolist() == [[True] * 3, [False] * 3] and (cuts[0] == 1).all()
+
+
+def test_a_masks_label_counts_as_an_answer_token_where_the_store_says_so():
+    from methods._space import answer_at
+
+    answer = torch.tensor([[False, False, False, True, True, False]])
+    assert answer_at(answer, torch.tensor([[2, 3]]), 2).tolist() == [[[False, True], [True, True]]]
