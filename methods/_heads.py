@@ -337,18 +337,21 @@ def heads_loss(heads: Heads, batch: dict, to_sub, loss: str, embed, decay: float
 
 @torch.no_grad()
 def head_agreement(heads: Heads, store, embed, batch_size: int, prefix: PrefixLayer | None = None,
-                   device=None) -> list[float]:
+                   device=None, answer_only: bool = False) -> list[float]:
     """Per head: fraction of held-out positions where head k's greedy token equals the target's greedy token
     k + 1 steps after its next one (teacher-forced: the acceptance rate of a depth-(k+1) chain node whose
-    ancestors were accepted), on the store's text positions."""
+    ancestors were accepted), on the store's text positions (``answer_only``: those whose label is the target's
+    own answer token)."""
     hits, total = [0] * heads.num_heads, [0] * heads.num_heads
     for part in torch.arange(len(store)).split(batch_size):
-        b = {n: t.to(device) for n, t in store.rows(part, ("ids", "idx", "mask", "hidden")).items()}
+        b = {n: t.to(device) for n, t in store.rows(part, ("ids", "idx", "mask", "hidden", "answer")).items()}
         h = b["hidden"] if prefix is None else prefix(b["hidden"])
         T = h.shape[1]
         for k, logits in enumerate(heads.teacher_forced(h, b["ids"], embed)):
             pred = heads.vocab_map[logits.argmax(-1)]
             keep = b["mask"][:, : T - k - 1] & b["mask"][:, k + 1 :]
+            if answer_only:
+                keep = keep & b["answer"][:, k + 1 :]
             hits[k] += (pred == b["idx"][:, k + 1 :, 0])[keep].sum().item()
             total[k] += keep.sum().item()
     return [round(h / max(n, 1), 4) for h, n in zip(hits, total)]
@@ -402,6 +405,8 @@ def train_heads(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teach
     report.update(
         # Per head k: P(head k's top-1 == the target's greedy token k + 1 steps after its next one), held out.
         agreement_after=head_agreement(heads, held, embed, bs, prefix, device),
+        # The same where the label is the target's own answer token: what acceptance while decoding follows.
+        answer_token_agreement=head_agreement(heads, held, embed, bs, prefix, device, answer_only=True),
         prefix_layer=prefix is not None,
         layers=heads.layers,
         **({"stages": len(heads.stages)} if kind == "amphista" else {}),

@@ -66,6 +66,8 @@ def test_heads_are_counted_and_report_agreement(pair):
     method.setup()
     assert len(method.report["agreement_after"]) == 4
     assert all(0 <= a <= 1 for a in method.report["agreement_after"])
+    assert len(method.report["answer_token_agreement"]) == 4 and all(
+        0 <= a <= 1 for a in method.report["answer_token_agreement"])
     pair.reset_counts()
     out = decode(pair, "hydra", prompts_for(pair, 1)[0], max_new=30, **method_cfg("hydra"))
     counts = pair.counts()
