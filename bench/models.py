@@ -350,7 +350,7 @@ def check_draft_tokenizer(pair_name: str, i: int, spec: DictConfig, target_tok) 
                          "runs on the target alone).")
 
 
-def _load_draft(spec: DictConfig, target, tokenizer, dtype, teacher: Teacher):
+def _load_draft(spec: DictConfig, target, tokenizer, dtype, teacher: Teacher, device: torch.device):
     src = spec.source
     if src == "hub":
         return hub_model(spec.id, dtype)
@@ -359,7 +359,7 @@ def _load_draft(spec: DictConfig, target, tokenizer, dtype, teacher: Teacher):
     if src == "distilled":
         from decoding.distill import load_or_train_draft
 
-        return load_or_train_draft(target, tokenizer, spec.recipe, teacher)
+        return load_or_train_draft(target, tokenizer, spec.recipe, teacher, device)
     raise AssertionError(f"draft source '{src}' passed PairSettings but has no loader")
 
 
@@ -382,8 +382,8 @@ def load_pair(cfg: DictConfig, train_if_missing: bool = True, n_drafts: int | No
     recipe = RECIPES["quick"] if cfg.get("recipe") is None else check(
         RecipeSettings, OmegaConf.to_container(cfg.recipe, resolve=True), "recipe", f"recipe={cfg.recipe.get('name')}")
     teacher = Teacher(recipe, cache, train_if_missing)
-    # Models load in fp32 first: training a missing draft needs fp32 and a frozen target. With a distilled draft
-    # the fp32 target moves to the run's device before it, so the draft trains there (the GPU, when there is one).
+    # Models load in fp32 on the CPU first: training a missing draft needs fp32 and a frozen target (it trains on
+    # the run's device: decoding.distill moves the fp32 target there for the training only).
     tokenizer = _target_tokenizer(pair_cfg.target, cache)
     specs = list(pair_cfg.get("drafts") or [])[:n_drafts]
     for i, dspec in enumerate(specs):  # before any weights load: a draft that tokenizes otherwise is refused
@@ -391,11 +391,9 @@ def load_pair(cfg: DictConfig, train_if_missing: bool = True, n_drafts: int | No
             check_draft_tokenizer(pair_cfg.name, i, dspec, tokenizer)
     target = _load_target(pair_cfg.target, tokenizer, torch.float32, cache)
     target.eval()
-    if any(spec.source == "distilled" for spec in specs):
-        target.to(device)
     drafts = []
     for i, dspec in enumerate(specs):
-        d = _load_draft(dspec, target, tokenizer, torch.float32, teacher)
+        d = _load_draft(dspec, target, tokenizer, torch.float32, teacher, device)
         drafts.append(CountedLM(d.to(device=device, dtype=dtype).eval(), "draft" if i == 0 else f"draft{i + 1}"))
     target = CountedLM(target.to(device=device, dtype=dtype), "target")
     if cfg.get("packed_linear", True) and device.type == "cpu" and dtype == torch.float32:

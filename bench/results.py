@@ -117,7 +117,10 @@ def run_key(method_cfg: dict, cfg: DictConfig, prompt_id: str, trained: bool = F
         "seed": int(cfg.seed),
     }
     if trained and cfg.get("recipe") is not None:  # absent otherwise: older run keys stay valid
-        parts["recipe"] = OmegaConf.to_container(cfg.recipe, resolve=True)
+        recipe = OmegaConf.to_container(cfg.recipe, resolve=True)
+        if (recipe.get("store") or {}).get("instructions") == "news+wiki":  # the default: keyed as before it was
+            del recipe["store"]["instructions"]  # a setting (decoding.teacher.StoreSettings.key)
+        parts["recipe"] = recipe
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 

@@ -83,7 +83,7 @@ def instruction_prompts(n: int, seed: int = 0, split: str | None = None, mix: st
     prompts are (:func:`mixed_kinds`): advice and messages (conversation), explaining a topic (open QA), and
     arithmetic word problems solved step by step (maths), none of them a benchmark prompt.
     ``split``: ``train`` or ``test`` builds them from that split's articles only (Lee train / test, the wiki
-    extract's first nine tenths / last tenth; the written kinds' last tenth), so a held-out evaluation never
+    extract's first nine tenths / last tenth; every tenth of the written kinds), so a held-out evaluation never
     reads training text; ``None`` (hierarchy's model database, the scripts): Lee background and every wiki
     article, as before.
     """
@@ -210,8 +210,9 @@ def _word_problem(rng) -> str:
 
 
 def mixed_kinds(rng, split: str | None) -> dict[str, list[str]]:
-    """``{"conversation", "qa", "math"}`` -> instructions of that kind, shuffled; ``split`` ``test`` keeps the last
-    tenth of the written ones (every tenth word problem), ``train`` the rest, ``None`` all."""
+    """``{"conversation", "qa", "math"}`` -> instructions of that kind, shuffled; ``split`` ``test`` keeps every
+    tenth of each list as written (so a held-out advice request is one template's, on a goal the train split
+    asks about in other words), ``train`` the rest, ``None`` all."""
     def part(items: list[str]) -> list[str]:
         if split is None:
             kept = items

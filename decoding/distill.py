@@ -214,7 +214,7 @@ def train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
     return draft.cpu(), report
 
 
-def draft_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> Artifact:
+def draft_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher, device=None) -> Artifact:
     """The distilled draft of (target, recipe, the run's training recipe) as a cached artifact: ``draft.pt``
     (config and weights).
 
@@ -223,7 +223,13 @@ def draft_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> A
     ident = model_fingerprint(target)
 
     def build(folder: Path) -> dict:
-        draft, report = train_draft(target, tokenizer, recipe, teacher)
+        # Trained beside the fp32 target on ``device`` (the run's: the GPU, when there is one), which goes back
+        # where it was after: only a draft that must be trained costs the fp32 target's memory there.
+        home = next(target.parameters()).device
+        try:
+            draft, report = train_draft(target.to(device or home), tokenizer, recipe, teacher)
+        finally:
+            target.to(home)
         torch.save({"config": draft.config.to_dict(), "state": draft.state_dict()}, folder / "draft.pt")
         return report
 
@@ -239,10 +245,11 @@ def draft_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> A
                     description="distilled draft")
 
 
-def load_or_train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> DraftLM:
-    """The cached draft for (target, recipe, teacher.recipe), trained first when missing and the teacher may
-    build (``train_if_missing``)."""
-    return load_or_build(draft_artifact(target, tokenizer, recipe, teacher), teacher.cache, teacher.build_if_missing)
+def load_or_train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher, device=None) -> DraftLM:
+    """The cached draft for (target, recipe, teacher.recipe), trained first (on ``device``; default: where the
+    target is) when missing and the teacher may build (``train_if_missing``)."""
+    return load_or_build(draft_artifact(target, tokenizer, recipe, teacher, device), teacher.cache,
+                         teacher.build_if_missing)
 
 
 def draft_report(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> dict:

@@ -130,7 +130,7 @@ class RecipeSettings(Settings):
         preset = RECIPES.get(self.name)
         if preset is not None and preset == self:
             return self.name
-        return f"{self.name}~{content_key(self.model_dump(mode='json'))[:6]}"
+        return f"{self.name}~{content_key({**self.model_dump(mode='json'), 'store': self.store.key()})[:6]}"
 
 
 # The presets of ``recipe=NAME``. quick and full share one store (full appends to quick's shards); full is

@@ -144,7 +144,8 @@ def labels_at(batch: dict, cuts: torch.Tensor, masks: int) -> tuple[torch.Tensor
     """The stored top-k ``(idx, prob)``, each ``(B, m, k, topk)``, at positions ``cuts + j``: the target's next-token
     distribution there, which mask j guesses."""
     B, m = cuts.shape
-    pos = (cuts[..., None] + torch.arange(masks)).reshape(B, m * masks).clamp_max(batch["idx"].shape[1] - 1)
+    pos = (cuts[..., None] + torch.arange(masks, device=cuts.device)).reshape(B, m * masks)
+    pos = pos.clamp_max(batch["idx"].shape[1] - 1)
     take = pos[..., None].expand(-1, -1, batch["idx"].shape[-1])
     return (batch["idx"].gather(1, take).view(B, m, masks, -1), batch["prob"].gather(1, take).view(B, m, masks, -1))
 

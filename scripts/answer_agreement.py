@@ -78,10 +78,11 @@ def main(argv: list[str]) -> int:
     try:
         cfg = validate(compose(overrides))
         pair = load_pair(cfg, train_if_missing=False, n_drafts=1)
+        draft = pair.draft.module  # one sentence for a pair without a draft
     except BenchError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    target, draft = pair.target.module, pair.draft.module
+    target = pair.target.module
     table = []
     for name, prompts in prompt_sets(args.prompts).items():
         answers = target_answers(target, pair.tokenizer, prompts, 16, 128, f"target answers: {name}")

