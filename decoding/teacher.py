@@ -246,9 +246,11 @@ def teacher_pass(target, chunks: torch.Tensor, topk: int, batch_size: int, desc:
 def target_answers(target, tokenizer, prompts: list[str], batch_size: int, max_new_tokens: int, desc: str, topk: int = 0):
     """The target's greedy answers to ``prompts`` (chat template where the tokenizer has one), batched.
 
-    Yields ``(prompt_ids, answer_ids, idx, prob)`` per prompt: ``LongTensor (P,)``, ``LongTensor (n,)`` (cut
-    after the first EOS) and, when ``topk`` > 0, the target's top-k at each answer step: ``(n, topk)`` each.
+    Yields ``(prompt_ids, answer_ids, idx, prob)`` per prompt, on the CPU whatever the target's device:
+    ``LongTensor (P,)``, ``LongTensor (n,)`` (cut after the first EOS) and, when ``topk`` > 0, the target's top-k
+    at each answer step: ``(n, topk)`` each.
     """
+    device = next(target.parameters()).device
     eos = tokenizer.eos_token_id
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"  # generation appends on the right, so prompts are aligned on the right
@@ -259,14 +261,15 @@ def target_answers(target, tokenizer, prompts: list[str], batch_size: int, max_n
                 batch = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                        tokenize=False) for p in batch]
             enc = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)
-            out = target.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, output_logits=topk > 0,
-                                  return_dict_in_generate=True, pad_token_id=eos)
+            out = target.generate(**enc.to(device), max_new_tokens=max_new_tokens, do_sample=False,
+                                  output_logits=topk > 0, return_dict_in_generate=True, pad_token_id=eos)
             if topk:
                 steps = torch.stack(out.logits, 1).float()  # (B, R, vocab): the target's logits for answer token t
-                prob, idx = torch.softmax(steps, -1).topk(topk, dim=-1)
+                prob, idx = (t.cpu() for t in torch.softmax(steps, -1).topk(topk, dim=-1))
+            enc, sequences = enc.to("cpu"), out.sequences.cpu()
             width = enc["input_ids"].shape[1]
             for b in range(len(batch)):
-                answer = out.sequences[b, width:]
+                answer = sequences[b, width:]
                 ends = (answer == eos).nonzero()
                 n = int(ends[0]) + 1 if ends.numel() else answer.numel()
                 prompt = enc["input_ids"][b][enc["attention_mask"][b].bool()]
