@@ -117,9 +117,11 @@ def run_key(method_cfg: dict, cfg: DictConfig, prompt_id: str, trained: bool = F
         "seed": int(cfg.seed),
     }
     if trained and cfg.get("recipe") is not None:  # absent otherwise: older run keys stay valid
+        from decoding.teacher import store_key
+
         recipe = OmegaConf.to_container(cfg.recipe, resolve=True)
-        if (recipe.get("store") or {}).get("instructions") == "news+wiki":  # the default: keyed as before it was
-            del recipe["store"]["instructions"]  # a setting (decoding.teacher.StoreSettings.key)
+        if recipe.get("store") is not None:  # as the store's own keys see it
+            recipe["store"] = store_key(recipe["store"])
         parts["recipe"] = recipe
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 

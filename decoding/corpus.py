@@ -93,7 +93,7 @@ def instruction_prompts(n: int, seed: int = 0, split: str | None = None, mix: st
     packaged = _packaged_tasks(rng, split)
     if mix == "news+wiki":
         return packaged[:n]
-    kinds = {name: items for name, items in mixed_kinds(random.Random(seed + 1), split).items()}
+    kinds = mixed_kinds(random.Random(seed + 1), split)
     pools = {"packaged": iter(packaged), **{name: iter(items) for name, items in kinds.items()}}
     order = ["packaged", "conversation", "packaged", "qa", "math"]  # two in five on packaged text
     out: list[str] = []

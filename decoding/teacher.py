@@ -87,13 +87,18 @@ class StoreSettings(Settings):
                                        "explanations of topics and arithmetic word problems (decoding/corpus.py)")
 
     def key(self, kind: str = "answers") -> dict:
-        """The settings as store shards (of ``kind``) and trained parts are keyed by. ``instructions`` enters only
-        for answers, and only when it is not ``news+wiki``, the one kind there was before it was a setting: what
-        was built then keeps its key, and the teacher-forced text shards are shared by both."""
-        data = self.model_dump(mode="json")
-        if data["instructions"] == "news+wiki" or kind == "text":
-            del data["instructions"]
-        return data
+        """The settings as store shards (of ``kind``) and trained parts are keyed by (:func:`store_key`)."""
+        return store_key(self.model_dump(mode="json"), kind)
+
+
+def store_key(store: dict, kind: str = "answers") -> dict:
+    """``store`` (``recipe.store`` as a dict) as keys see it. ``instructions`` enters only for answers, and only when
+    it is not ``news+wiki``, the one kind there was before it was a setting: what was built (and run) then keeps its
+    key, and the teacher-forced text shards are shared by both."""
+    data = dict(store)
+    if data.get("instructions") == "news+wiki" or kind == "text":
+        data.pop("instructions", None)
+    return data
 
 
 class RecipeSettings(Settings):

@@ -140,12 +140,18 @@ def random_cuts(mask: torch.Tensor, masks: int, per_row: int, generator: torch.G
     return cuts, (length >= masks + 1).expand_as(cuts)
 
 
+def label_positions(cuts: torch.Tensor, masks: int, length: int) -> torch.Tensor:
+    """``(B, m * k)``: the positions ``cuts + j`` whose stored labels mask j guesses, inside rows of ``length``."""
+    B, m = cuts.shape
+    pos = (cuts[..., None] + torch.arange(masks, device=cuts.device)).reshape(B, m * masks)
+    return pos.clamp_max(length - 1)
+
+
 def labels_at(batch: dict, cuts: torch.Tensor, masks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The stored top-k ``(idx, prob)``, each ``(B, m, k, topk)``, at positions ``cuts + j``: the target's next-token
     distribution there, which mask j guesses."""
     B, m = cuts.shape
-    pos = (cuts[..., None] + torch.arange(masks, device=cuts.device)).reshape(B, m * masks)
-    pos = pos.clamp_max(batch["idx"].shape[1] - 1)
+    pos = label_positions(cuts, masks, batch["idx"].shape[1])
     take = pos[..., None].expand(-1, -1, batch["idx"].shape[-1])
     return (batch["idx"].gather(1, take).view(B, m, masks, -1), batch["prob"].gather(1, take).view(B, m, masks, -1))
 
@@ -198,8 +204,7 @@ def answer_at(answer: torch.Tensor, cuts: torch.Tensor, masks: int) -> torch.Ten
     """``(B, m, k)``: whether the label of mask j at cut n (position n + j) is the target's own answer token
     (``answer (B, T)``, the store's answer mask)."""
     B, m = cuts.shape
-    pos = (cuts[..., None] + torch.arange(masks, device=cuts.device)).reshape(B, m * masks)
-    return answer.gather(1, pos.clamp_max(answer.shape[1] - 1)).view(B, m, masks)
+    return answer.gather(1, label_positions(cuts, masks, answer.shape[1])).view(B, m, masks)
 
 
 class frozen:
