@@ -190,7 +190,8 @@ def compose(args: list[str], hydra: bool = False) -> DictConfig:
 def train_main(args: list[str]) -> int:
     """``train store|draft|method|all [overrides]``: build and cache now what ``run`` would build first: the
     teacher stores, the pair's distilled drafts, everything ``method=<name>`` uses (its drafts, heads, verifier,
-    tables), or everything every registered method uses, under the run's ``recipe=``."""
+    tables), or everything every registered method (``all methods=a,b``: the named ones) uses, under the run's
+    ``recipe=``."""
     what = ["store", "draft", "method", "all"]
     if not args or args[0] not in what:
         raise BenchError(f"say what to train: one of {', '.join(what)} (e.g. 'python -m bench train store tokens=200000', "
@@ -202,13 +203,16 @@ def train_main(args: list[str]) -> int:
     from bench.registry import get_method, known_methods
     from bench.validate import validate
 
+    picked, args = methods_arg(args) if args[0] == "all" else (None, args)
     cfg = validate(compose(args[1:]))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # ``train draft`` and ``train all`` load (and so distil) every draft of the pair; ``train method`` only the
     # drafts that method uses. load_pair honours threads= as run does: training shares the machine too.
     from decoding.distill import draft_report
 
-    n_drafts = get_method(cfg.method.name).drafts if args[0] == "method" else None
+    # ``train all methods=...`` loads the drafts only as far as the named methods use them.
+    n_drafts = (get_method(cfg.method.name).drafts if args[0] == "method" else
+                max(get_method(n).drafts for n in picked) if picked else None)
     start = time.perf_counter()
     pair = load_pair(cfg, train_if_missing=True, n_drafts=n_drafts)
     drafts = [draft_report(pair.target.module, pair.tokenizer, spec.recipe, pair.teacher)
@@ -218,7 +222,7 @@ def train_main(args: list[str]) -> int:
             print(json.dumps(report, indent=2))
         return 0
     reports = {"pair (stores and drafts)": {"seconds": round(time.perf_counter() - start, 1), "drafts": drafts}}
-    names = [cfg.method.name] if args[0] == "method" else known_methods()
+    names = [cfg.method.name] if args[0] == "method" else picked or known_methods()
     for name in names:
         method_cls = get_method(name)
         if method_cls.drafts and not pair.drafts:  # as Method.check_pair says: a drafting method needs a draft
@@ -233,6 +237,24 @@ def train_main(args: list[str]) -> int:
             reports[label] = {"seconds": round(time.perf_counter() - start, 1), **getattr(method, "report", {})}
     print(json.dumps(reports if args[0] == "all" else reports.get(cfg.method.name, {}), indent=2, default=str))
     return 0
+
+
+def methods_arg(args: list[str]) -> tuple[list[str] | None, list[str]]:
+    """``train all``'s own ``methods=a,b,...`` (the methods to train, default every registered one) and the
+    other arguments, for Hydra."""
+    from bench.registry import known_methods
+
+    given = [a.partition("=")[2] for a in args if a.startswith("methods=")]
+    rest = [a for a in args if not a.startswith("methods=")]
+    if not given:
+        return None, rest
+    names = list(dict.fromkeys(n.strip() for n in given[-1].split(",") if n.strip()))
+    unknown = [n for n in names if n not in known_methods()]
+    if unknown or not names:
+        raise BenchError(f"methods= takes method names separated by commas (e.g. 'methods=sd,medusa'); "
+                         f"{'unknown: ' + ', '.join(unknown) if unknown else 'none given'}; known: "
+                         f"{', '.join(known_methods())}.")
+    return names, rest
 
 
 def train_store(args: list[str]) -> int:

@@ -25,7 +25,13 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from bench.adapter import copy_from
-from bench.artifacts import Artifact, load_or_build, model_fingerprint, report_of
+from bench.artifacts import (
+    Artifact,
+    load_or_build,
+    model_fingerprint,
+    recipe_key,
+    report_of,
+)
 from bench.errors import BenchError
 from decoding.teacher import Teacher, tokenizer_key
 from decoding.training import TrainRecipe, fit
@@ -43,6 +49,8 @@ class DistillRecipe(TrainRecipe):
                        "lossless)")
     batch_size: int = Field(8, ge=1, description="sequences per training step")
     lr: float = Field(5.0e-4, gt=0, description="AdamW learning rate")
+    answer_weight: float = Field(1.0, ge=0, description="loss weight of positions followed by a token of the "
+                                 "target's own answer (the contexts greedy SD drafts in) against 1 for the rest")
 
 
 class DraftLM(PreTrainedModel, GenerationMixin):
@@ -127,11 +135,12 @@ def sub_index(vocab_map: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return to_sub
 
 
-def distill_loss(draft: DraftLM, x, idx, prob, to_sub):
+def distill_loss(draft: DraftLM, x, idx, prob, to_sub, weight=None):
     """Cross-entropy of the draft against the target's top-k distribution, restricted to the draft vocab.
 
     ``x``: ``(B, T)`` token ids; ``idx`` / ``prob``: ``(B, T, k)`` the target's top-k at each position, with
-    ``prob`` all zero where a position has no label (prompt text, padding).
+    ``prob`` all zero where a position has no label (prompt text, padding); ``weight``: ``(B, T)`` each
+    position's weight in the mean (default 1).
     """
     sub_logits, _ = draft.sub_logits(x)
     logq = torch.log_softmax(sub_logits.float(), -1)
@@ -139,6 +148,8 @@ def distill_loss(draft: DraftLM, x, idx, prob, to_sub):
     w = prob * (sub_idx >= 0)
     mass = w.sum(-1, keepdim=True)
     labelled = (mass.squeeze(-1) > 0).float()
+    if weight is not None:
+        labelled = labelled * weight
     w = w / mass.clamp_min(1e-9)
     per_pos = -(w * logq.gather(-1, sub_idx.clamp_min(0))).sum(-1)
     return (per_pos * labelled).sum() / labelled.sum().clamp_min(1.0)
@@ -176,7 +187,7 @@ def train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
     interleaved at random); returns the draft and its training report (held-out agreement, by kind of text)."""
     torch.manual_seed(int(recipe.seed))
     target = target.float().eval()
-    train = store_data(teacher.store(target, tokenizer, "train"))
+    train = store_data(teacher.store(target, tokenizer, "train"), ("ids", "idx", "prob", "mask", "answer"))
     held_store = teacher.store(target, tokenizer, "test")
     held = store_data(held_store, ("ids", "idx", "mask", "answer"))
     m = train["mask"]
@@ -184,6 +195,8 @@ def train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
     device = next(target.parameters()).device  # trained where the target is (the run's device)
     to_sub = sub_index(vocab_map, target.config.vocab_size)
     train["prob"] = train["prob"] * m.unsqueeze(-1)  # padding is no label
+    # Answer positions weigh answer_weight, the rest 1 (the mean is over the weights, so only the ratio counts).
+    train["weight"] = 1.0 + (float(recipe.get("answer_weight", 1.0)) - 1.0) * train.pop("answer").float()
 
     draft = draft_from_target(target, list(recipe.layers), vocab_map).to(device)
     on = to_sub.to(device)
@@ -193,7 +206,8 @@ def train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
     params = [p for p in draft.parameters() if p.requires_grad]
     draft.train()
     fit(params, lambda: torch.randperm(len(train["ids"])).split(bs),
-        lambda b: distill_loss(draft, *(train[f][b].to(device) for f in ("ids", "idx", "prob")), on),
+        lambda b: distill_loss(draft, *(train[f][b].to(device) for f in ("ids", "idx", "prob")), on,
+                                 train["weight"][b].to(device)),
         epochs=int(teacher.recipe.draft_epochs), steps_per_epoch=math.ceil(len(train["ids"]) / bs),
         lr=float(recipe.lr), desc="draft: distilling")
     draft.eval()
@@ -239,7 +253,7 @@ def draft_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher, devi
         draft.load_state_dict(blob["state"])
         return draft.eval()
 
-    key = {"target": ident, "recipe": recipe, "teacher": teacher.recipe.budget("draft"), **tokenizer_key(tokenizer)}
+    key = {"target": ident, "recipe": recipe_key(recipe, answer_weight=1.0), "teacher": teacher.recipe.budget("draft"), **tokenizer_key(tokenizer)}
     return Artifact("drafts", ident["name"], key, build, load,
                     hint="run 'python -m bench train draft' with the same pair= and recipe= settings",
                     description="distilled draft")

@@ -81,3 +81,17 @@ def test_a_sweep_is_checked_job_by_job_before_any_starts(tmp_path, cache_dir):
 def test_unknown_command(cache_dir):
     res = bench("fly", cache_dir=cache_dir)
     assert res.returncode == 2 and "unknown command 'fly'" in res.stderr
+
+
+def test_train_all_methods_trains_only_those(cache_dir, capsys):
+    """``train all methods=a,b`` sets up the named methods only (and the drafts they use); an unknown name is one
+    sentence and exit 2."""
+    from bench.__main__ import main
+
+    assert main(["train", "all", "methods=pld,medusa", "pair=tiny", f"cache_dir={cache_dir}", "recipe=smoke"]) == 0
+    reports = json.loads(capsys.readouterr().out)
+    assert set(reports) == {"pair (stores and drafts)", "pld", "medusa"}
+    assert len(reports["medusa"]["agreement_after"]) == 4  # the heads trained (or were read back) and reported
+    assert main(["train", "all", "methods=medusa,nope", "pair=tiny", f"cache_dir={cache_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown: nope; known:" in err and len(err.strip().splitlines()) == 1

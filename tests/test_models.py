@@ -120,6 +120,39 @@ def test_corrupt_draft_cache_is_rebuilt_or_one_clear_error(distilled_cfg):
     assert decode(again, "sd", ids, max_new=16, gamma=3).output_ids == decode(again, "ar", ids, max_new=16).output_ids
 
 
+def test_answer_weight_weighs_positions_and_keys_only_when_set(distilled_cfg):
+    """recipe.answer_weight scales the loss of answer positions (a weight of 0 drops a position as if unlabelled);
+    left at 1 it leaves the draft's key as it was before the setting existed."""
+    from decoding.distill import distill_loss, draft_artifact, sub_index
+
+    pair = load_pair(distilled_cfg)
+    draft, target = pair.draft.module, pair.target.module
+    torch.manual_seed(0)
+    x = torch.randint(0, target.config.vocab_size, (2, 6))
+    with torch.no_grad():
+        top = torch.softmax(target(x).logits, -1).topk(4)
+    on = sub_index(draft.vocab_map, target.config.vocab_size)
+    weight = torch.zeros(2, 6)
+    weight[:, :3] = 1.0
+    kept = top.values.clone()
+    kept[:, 3:] = 0  # the same positions, unlabelled instead of weighed 0
+    with torch.no_grad():
+        assert torch.allclose(distill_loss(draft, x, top.indices, top.values, on, weight),
+                              distill_loss(draft, x, top.indices, kept, on))
+        assert not torch.allclose(distill_loss(draft, x, top.indices, top.values, on, weight),
+                                  distill_loss(draft, x, top.indices, top.values, on))
+    recipe = OmegaConf.to_container(pair.spec.drafts[0].recipe)
+
+    def folder(**changes):
+        return draft_artifact(target, pair.tokenizer, OmegaConf.create({**recipe, **changes}),
+                              pair.teacher).folder(pair.cache)
+
+    without = {k: v for k, v in recipe.items() if k != "answer_weight"}
+    assert folder(answer_weight=1.0) == draft_artifact(target, pair.tokenizer, OmegaConf.create(without),
+                                                       pair.teacher).folder(pair.cache)
+    assert folder(answer_weight=4.0) != folder(answer_weight=1.0)
+
+
 def test_load_pair_applies_threads(compose_cfg):
     """threads= takes effect wherever a pair is loaded (run, train, the scripts), before any model work."""
     import torch
