@@ -19,6 +19,8 @@ rolling a cache back (``bench.counting.truncate_cache``: transformers' ``Cache``
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 
 import torch
 from torch import nn
@@ -141,8 +143,6 @@ def check_folder_family(path) -> None:
     walked is built without weights (on the ``meta`` device, from its config) and its layout checked: refused in
     one sentence naming the supported families when the adapter cannot find its parts; taken, with a warning
     that it is untested, when it can (a Qwen3 or Gemma-2 keeps Llama's layout)."""
-    import logging
-
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -159,6 +159,11 @@ def check_folder_family(path) -> None:
     except BenchError as err:
         raise BenchError(f"'{path}' holds a model of family '{config.model_type}', which this harness cannot "
                          f"read: {err}") from None
+    _warn_untested(str(path), config.model_type)
+
+
+@functools.cache
+def _warn_untested(path: str, family: str) -> None:
+    """Once per process and folder: the command line and the Hydra task it starts both validate a run."""
     logging.getLogger(__name__).warning("'%s' holds a model of family '%s': its layout is one this harness reads, but "
-                                        "the family is untested here (tested: %s)", path, config.model_type,
-                                        ", ".join(FAMILIES))
+                                        "the family is untested here (tested: %s)", path, family, ", ".join(FAMILIES))

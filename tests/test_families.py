@@ -219,6 +219,8 @@ def test_a_local_folder_of_an_untested_family_with_a_known_layout_runs(compose_c
                           num_key_value_heads=1, intermediate_size=64, head_dim=16, initializer_range=0.4)
     cfg = validate(compose_cfg("pair=gpt2", f"pair.target.id={folder}", f"pair.drafts.0.id={folder}"))
     assert "family 'qwen3'" in caplog.text and "untested" in caplog.text
+    validate(cfg)  # as the Hydra task validates again what the command line checked: said once per folder
+    assert caplog.text.count("untested") == 1
     pair = load_pair(cfg)
     assert_greedy_equal_to_ar(build(pair, "sd"), prompts_for(pair, 2), max_new=MAX_NEW)
 
