@@ -253,7 +253,8 @@ def draft_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher, devi
         draft.load_state_dict(blob["state"])
         return draft.eval()
 
-    key = {"target": ident, "recipe": recipe_key(recipe, answer_weight=1.0), "teacher": teacher.recipe.budget("draft"), **tokenizer_key(tokenizer)}
+    key = {"target": ident, "recipe": recipe_key(recipe, answer_weight=1.0), "teacher": teacher.recipe.budget("draft"),
+           **tokenizer_key(tokenizer)}
     return Artifact("drafts", ident["name"], key, build, load,
                     hint="run 'python -m bench train draft' with the same pair= and recipe= settings",
                     description="distilled draft")

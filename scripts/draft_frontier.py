@@ -1,6 +1,7 @@
 """Can a draft made from the target's own first k layers make speculative decoding pay on this machine?
 
-  python scripts/draft_frontier.py [--prompts 32] [--held-out 8] [--depths 1,2,4,...] [--out DIR] [hydra overrides]
+  python scripts/draft_frontier.py [--prompts 32] [--held-out 8] [--depths 1,2,4,...] [--recipe full ...] [--out DIR]
+      [hydra overrides]
 
 Measured in one run, on the pair's target (default: SmolLM2-135M-Instruct, fp32):
 
@@ -16,9 +17,15 @@ Measured in one run, on the pair's target (default: SmolLM2-135M-Instruct, fp32)
 - ``best_speedup(k)``: max over gamma of Leviathan et al.'s expected speedup with that verification cost,
   E[tokens](alpha, gamma) / (gamma c + r(gamma + 1)).
 
-The fit uses the target's greedy answers to packaged instructions (the text greedy SD actually sees) plus
-Lee news text, teacher-forced; answers to the last ``--held-out`` instructions are only scored. Prints a
-table and writes <--out, default results/draft_frontier>/<time>.json with provenance.
+- ``--recipe R`` (repeatable; a recipe name, or a name and overrides: ``--recipe "full recipe.tokens=327680"``):
+  the pair's cached distilled draft trained under R, scored on the same held-out positions and timed the same
+  way, so a trained draft sits on the same frontier as the linear exits (not trained here: ``python -m bench
+  train draft recipe=R`` first; a missing one is skipped with a message).
+
+The fit uses the target's greedy answers to packaged instructions of the training split (the text greedy SD
+actually sees) plus Lee news text, teacher-forced; ``--held-out`` answers to instructions of the held-out split
+(articles no trainer reads) are only scored. Prints a table and writes <--out, default
+results/draft_frontier>/<time>.json with provenance.
 """
 
 from __future__ import annotations
@@ -37,9 +44,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench import metrics  # noqa: E402
 from bench.cli import compose  # noqa: E402
+from bench.errors import BenchError  # noqa: E402
 from bench.models import load_pair  # noqa: E402
 from bench.results import provenance, write_json_atomic  # noqa: E402
 from bench.runner import forward_seconds  # noqa: E402
+from bench.validate import validate  # noqa: E402
 from decoding.corpus import corpus, instruction_prompts  # noqa: E402
 from decoding.distill import draft_from_target  # noqa: E402
 from decoding.teacher import target_answers, token_chunks  # noqa: E402
@@ -86,6 +95,41 @@ def exit_agreement(target, fit, held, k: int, ridge: float) -> tuple[float, floa
     return float((tuned == held_top1).float().mean()), float((lens == held_top1).float().mean())
 
 
+def best_speedup(alpha: float, c: float, r: dict[int, float], max_gamma: int) -> tuple[int, float]:
+    """``(gamma, speedup)`` maximising E[tokens](alpha, gamma) / (gamma c + r(gamma + 1)) over 1..max_gamma."""
+    # E[tokens] / (gamma c + r(gamma + 1)) = analytic_speedup(alpha, gamma, c / r) / r
+    speedups = {g: metrics.analytic_speedup(alpha, g, c / r[g + 1]) / r[g + 1] for g in range(1, max_gamma + 1)}
+    gamma = max(speedups, key=speedups.get)
+    return gamma, speedups[gamma]
+
+
+@torch.no_grad()
+def trained_draft_row(recipe: str, overrides: list[str], held_answers, held_top1, context, target_ms, r, args):
+    """The frontier's row for the pair's first draft as ``recipe`` trained it (read from the cache, never trained
+    here: None when it is missing)."""
+    name, *more = recipe.split()
+    try:
+        cfg = validate(compose([*overrides, f"recipe={name}", *more]))
+        pair = load_pair(cfg, train_if_missing=False, n_drafts=1)
+    except BenchError as err:
+        print(f"recipe {recipe!r}: skipped ({err})", flush=True)
+        return None
+    if not pair.drafts:
+        print(f"recipe {recipe!r}: skipped (pair={cfg.pair.name} has no draft)", flush=True)
+        return None
+    draft = pair.draft.module.eval()
+    top1 = torch.cat([draft(ids.to(pair.device)).logits[0, positions].argmax(-1).cpu()
+                      for ids, positions in answer_positions(held_answers)])
+    alpha = float((top1 == held_top1).float().mean())
+    c = 1e3 * forward_seconds(pair.device, draft, context, 1, args.repeats) / target_ms[1]
+    gamma, speedup = best_speedup(alpha, c, r, args.max_gamma)
+    label = f"{cfg.pair.name} draft (recipe={cfg.recipe.name})"
+    print(f"{label}: alpha {alpha:.3f}  c {c:.3f}  best {speedup:.2f}x at "
+          f"gamma={gamma}", flush=True)
+    return {"k": label, "alpha_tuned_lens": alpha, "alpha_logit_lens": None, "c": c,
+            "best_gamma": gamma, "best_speedup": speedup}
+
+
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=32, help="instructions the target answers (fit + held out)")
@@ -96,6 +140,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--ridge", type=float, default=1e-2)
     ap.add_argument("--draft-vocab", type=int, default=8192, help="output rows of the timed draft's head")
+    ap.add_argument("--recipe", action="append", default=[], help="also score the pair's distilled draft trained "
+                    "under this recipe (repeatable; a name, or a name and recipe.* overrides)")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "draft_frontier")
     args, overrides = ap.parse_known_args(argv)
     cfg = compose(["pair.drafts=[]", *overrides])
@@ -103,7 +149,9 @@ def main(argv: list[str]) -> None:
     target, device = pair.target.module.eval(), pair.device
     depths = [int(k) for k in args.depths.split(",")]
 
-    prompts = instruction_prompts(args.prompts, int(cfg.seed))
+    # Fitted on the training split's instructions, scored on the held-out split's: a trained draft never read them.
+    prompts = [*instruction_prompts(args.prompts - args.held_out, int(cfg.seed), "train"),
+               *instruction_prompts(args.held_out, int(cfg.seed), "test")]
     answers = [(p.cpu(), a.cpu()) for p, a, _, _ in target_answers(target, pair.tokenizer, prompts, 16,
                                                                    int(cfg.max_new_tokens), "frontier: target answers")]
     fit_answers, held_answers = answers[: -args.held_out], answers[-args.held_out :]
@@ -121,12 +169,14 @@ def main(argv: list[str]) -> None:
         tuned, lens = exit_agreement(target, fit, held, k, args.ridge)
         draft = draft_from_target(target, list(range(k)), vocab).to(device).eval()
         c = 1e3 * forward_seconds(device, draft, context, 1, args.repeats) / target_ms[1]
-        # E[tokens] / (gamma c + r(gamma + 1)) = analytic_speedup(alpha, gamma, c / r) / r
-        speedups = {g: metrics.analytic_speedup(tuned, g, c / r[g + 1]) / r[g + 1] for g in range(1, args.max_gamma + 1)}
-        gamma = max(speedups, key=speedups.get)
+        gamma, speedup = best_speedup(tuned, c, r, args.max_gamma)
         rows.append({"k": k, "alpha_tuned_lens": tuned, "alpha_logit_lens": lens, "c": c,
-                     "best_gamma": gamma, "best_speedup": speedups[gamma]})
-        print(f"k={k:2d}: alpha {tuned:.3f} (logit lens {lens:.3f})  c {c:.3f}  best {speedups[gamma]:.2f}x at gamma={gamma}", flush=True)
+                     "best_gamma": gamma, "best_speedup": speedup})
+        print(f"k={k:2d}: alpha {tuned:.3f} (logit lens {lens:.3f})  c {c:.3f}  best {speedup:.2f}x at gamma={gamma}",
+              flush=True)
+    for recipe in args.recipe:
+        row = trained_draft_row(recipe, overrides, held_answers, held[1], context, target_ms, r, args)
+        rows += [row] if row else []
 
     print(f"\ntarget one-token forward {target_ms[1]:.1f} ms; r(T) = " + ", ".join(f"{t}: {v:.2f}" for t, v in r.items()))
     print(f"fit positions {len(fit[1])}, held-out answer positions {len(held[1])}\n")
