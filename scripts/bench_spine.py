@@ -29,6 +29,7 @@ from bench.models import load_pair  # noqa: E402
 from bench.registry import get_method  # noqa: E402
 from bench.results import provenance, write_json_atomic  # noqa: E402
 from bench.runner import clocked, cost_ratio, timed_decode  # noqa: E402
+from bench.validate import validate  # noqa: E402
 from decoding.sampling import Sampling  # noqa: E402
 
 
@@ -58,7 +59,7 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "bench_spine")
     args, overrides = ap.parse_known_args(argv)
-    cfg = compose(["method=sd", *overrides])
+    cfg = validate(compose(["method=sd", *overrides]))  # defaults filled in (max_new_tokens: the dataset's)
     pair = load_pair(cfg)
     prompts = load_prompts(cfg.dataset, cfg.seed)
     xs = [torch.tensor([encode(p, pair.tokenizer)], device=pair.device) for p in prompts]

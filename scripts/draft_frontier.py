@@ -144,7 +144,8 @@ def main(argv: list[str]) -> None:
                     "under this recipe (repeatable; a name, or a name and recipe.* overrides)")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "draft_frontier")
     args, overrides = ap.parse_known_args(argv)
-    cfg = compose(["pair.drafts=[]", *overrides])
+    # Validated: defaults filled in (max_new_tokens: the dataset's); the target alone, as ar runs it.
+    cfg = validate(compose(["method=ar", "pair.drafts=[]", *overrides]))
     pair = load_pair(cfg)
     target, device = pair.target.module.eval(), pair.device
     depths = [int(k) for k in args.depths.split(",")]
