@@ -18,6 +18,7 @@ matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib.ticker import NullLocator  # noqa: E402
 
 from bench import summary  # noqa: E402
 
@@ -251,7 +252,6 @@ def learning_curve(curve: dict):
         y = [r.get(key) for r in rows]
         if any(v is not None for v in y):
             left.plot(x, [math.nan if v is None else v for v in y], style, ms=3, label=name)
-    left.axhline(0.35, color="0.5", lw=0.6, ls=":", label="target 0.35")
     left.set_title(f"distilled draft ({curve['pair']})")
     styles = {"medusa": "-", "hydra": "--", "hydra_pp": ":"}
     cmap = plt.get_cmap("tab10")
@@ -262,7 +262,11 @@ def learning_curve(curve: dict):
                        label=f"{method} head {k}")
     right.set_title("draft heads")
     for ax in (left, right):
+        ax.axhline(0.35, color="0.5", lw=0.6, ls=":", label="target 0.35")  # issue 12's: draft alpha, head 0
         ax.set_xscale("log")
+        # The budgets themselves as ticks: a log axis's own minor labels overlap at this width.
+        ax.set_xticks(x, [f"{t:,}" for t in x])
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xlabel(f"teacher tokens (recipe={curve['recipe']} epochs)")
         ax.set_ylabel("held-out top-1 agreement")
         ax.legend(fontsize=6)
