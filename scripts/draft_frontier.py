@@ -123,7 +123,7 @@ def trained_draft_row(recipe: str, overrides: list[str], held_answers, held_top1
     alpha = float((top1 == held_top1).float().mean())
     c = 1e3 * forward_seconds(pair.device, draft, context, 1, args.repeats) / target_ms[1]
     gamma, speedup = best_speedup(alpha, c, r, args.max_gamma)
-    label = f"{cfg.pair.name} draft (recipe={cfg.recipe.name})"
+    label = f"{cfg.pair.name} draft (recipe={pair.teacher.recipe.label})"
     print(f"{label}: alpha {alpha:.3f}  c {c:.3f}  best {speedup:.2f}x at "
           f"gamma={gamma}", flush=True)
     return {"k": label, "alpha_tuned_lens": alpha, "alpha_logit_lens": None, "c": c,
