@@ -1,7 +1,7 @@
 """Command line: ``python -m bench COMMAND [hydra overrides]``.
 
 Commands: ``run`` (decode and measure), ``train store|draft|method|all`` (build and cache the teacher
-store and trained parts; ``train all methods=sd,medusa``: those methods' only), ``show``
+store and trained parts; ``train all methods=sd,medusa``: only what those methods use), ``show``
 (every setting with its type, default and meaning), ``table``, ``plot`` and ``report`` over saved results,
 ``export-specbench`` / ``import-specbench`` (Spec-Bench answer files from a run, and a run from them).
 """

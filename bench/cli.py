@@ -206,13 +206,13 @@ def train_main(args: list[str]) -> int:
     picked, args = methods_arg(args) if args[0] == "all" else (None, args)
     cfg = validate(compose(args[1:]))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    # ``train draft`` and ``train all`` load (and so distil) every draft of the pair; ``train method`` only the
-    # drafts that method uses. load_pair honours threads= as run does: training shares the machine too.
+    # ``train draft`` and ``train all`` load (and so distil) every draft of the pair; ``train method`` and
+    # ``train all methods=...`` only the drafts those methods use. load_pair honours threads= as run does.
     from decoding.distill import draft_report
 
-    # ``train all methods=...`` loads the drafts only as far as the named methods use them.
-    n_drafts = (get_method(cfg.method.name).drafts if args[0] == "method" else
-                max(get_method(n).drafts for n in picked) if picked else None)
+    names = [cfg.method.name] if args[0] == "method" else picked or known_methods()
+    every_draft = args[0] == "draft" or (args[0] == "all" and not picked)
+    n_drafts = None if every_draft else max(get_method(n).drafts for n in names)
     start = time.perf_counter()
     pair = load_pair(cfg, train_if_missing=True, n_drafts=n_drafts)
     drafts = [draft_report(pair.target.module, pair.tokenizer, spec.recipe, pair.teacher)
@@ -222,7 +222,6 @@ def train_main(args: list[str]) -> int:
             print(json.dumps(report, indent=2))
         return 0
     reports = {"pair (stores and drafts)": {"seconds": round(time.perf_counter() - start, 1), "drafts": drafts}}
-    names = [cfg.method.name] if args[0] == "method" else picked or known_methods()
     for name in names:
         method_cls = get_method(name)
         if method_cls.drafts and not pair.drafts:  # as Method.check_pair says: a drafting method needs a draft

@@ -152,7 +152,7 @@ def distill_loss(draft: DraftLM, x, idx, prob, to_sub, weight=None):
         labelled = labelled * weight
     w = w / mass.clamp_min(1e-9)
     per_pos = -(w * logq.gather(-1, sub_idx.clamp_min(0))).sum(-1)
-    return (per_pos * labelled).sum() / labelled.sum().clamp_min(1.0)
+    return (per_pos * labelled).sum() / labelled.sum().clamp_min(1e-9)  # weights below 1 must not be clamped
 
 
 @torch.no_grad()

@@ -123,7 +123,9 @@ def trained_draft_row(recipe: str, overrides: list[str], held_answers, held_top1
     alpha = float((top1 == held_top1).float().mean())
     c = 1e3 * forward_seconds(pair.device, draft, context, 1, args.repeats) / target_ms[1]
     gamma, speedup = best_speedup(alpha, c, r, args.max_gamma)
-    label = f"{cfg.pair.name} draft (recipe={pair.teacher.recipe.label})"
+    # The recipe's label (``full~<hash>`` when recipe.* is overridden) and any other override, e.g. the draft's own.
+    settings = [f"recipe={pair.teacher.recipe.label}", *(m for m in more if not m.startswith("recipe."))]
+    label = f"{cfg.pair.name} draft ({', '.join(settings)})"
     print(f"{label}: alpha {alpha:.3f}  c {c:.3f}  best {speedup:.2f}x at "
           f"gamma={gamma}", flush=True)
     return {"k": label, "alpha_tuned_lens": alpha, "alpha_logit_lens": None, "c": c,
@@ -144,6 +146,8 @@ def main(argv: list[str]) -> None:
                     "under this recipe (repeatable; a name, or a name and recipe.* overrides)")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "draft_frontier")
     args, overrides = ap.parse_known_args(argv)
+    if not 0 < args.held_out < args.prompts:
+        sys.exit(f"error: --held-out ({args.held_out}) must be at least 1 and below --prompts ({args.prompts}).")
     # Validated: defaults filled in (max_new_tokens: the dataset's); the target alone, as ar runs it.
     cfg = validate(compose(["method=ar", "pair.drafts=[]", *overrides]))
     pair = load_pair(cfg)
@@ -151,11 +155,11 @@ def main(argv: list[str]) -> None:
     depths = [int(k) for k in args.depths.split(",")]
 
     # Fitted on the training split's instructions, scored on the held-out split's: a trained draft never read them.
-    prompts = [*instruction_prompts(args.prompts - args.held_out, int(cfg.seed), "train"),
-               *instruction_prompts(args.held_out, int(cfg.seed), "test")]
+    fitted = instruction_prompts(args.prompts - args.held_out, int(cfg.seed), "train")
+    prompts = [*fitted, *instruction_prompts(args.held_out, int(cfg.seed), "test")]
     answers = [(p.cpu(), a.cpu()) for p, a, _, _ in target_answers(target, pair.tokenizer, prompts, 16,
                                                                    int(cfg.max_new_tokens), "frontier: target answers")]
-    fit_answers, held_answers = answers[: -args.held_out], answers[-args.held_out :]
+    fit_answers, held_answers = answers[: len(fitted)], answers[len(fitted) :]
     news = token_chunks(pair.tokenizer, corpus("lee", "train"), 256, args.news_tokens)
     news_rows = ((row.unsqueeze(0), torch.arange(row.numel())) for row in news)
     fit = stacked_states(target, [*answer_positions(fit_answers), *news_rows])

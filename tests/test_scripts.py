@@ -47,6 +47,14 @@ def test_draft_frontier_reports_every_depth(tmp_path, cache_dir):
         assert row["c"] > 0 and row["best_speedup"] > 0 and row["best_gamma"] in (1, 2)
 
 
+def test_draft_frontier_refuses_a_held_out_share_it_cannot_split(cache_dir):
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "draft_frontier.py"), "--prompts", "4",
+                          "--held-out", "4", "pair=tiny"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "BENCH_CACHE": str(cache_dir), "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 1
+    assert res.stderr.strip() == "error: --held-out (4) must be at least 1 and below --prompts (4)."
+
+
 def test_teacher_throughput_reports_both_rates(cache_dir):
     res = script("teacher_throughput.py", "--prompts", "4", "--batch", "4", "--new-tokens", "4", "--seqs", "2",
                  "pair=tiny", "recipe.store.seq_len=32", cache_dir=cache_dir)
