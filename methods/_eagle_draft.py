@@ -163,7 +163,9 @@ def eagle_agreement(draft: EagleDraft, store, embed, batch_size: int, rows=None,
         b = {n: t.to(device) for n, t in store.rows(part, ("ids", "idx", "mask", "hidden", "answer")).items()}
         guess = draft(b["hidden"][:, :-1].float(), embed(b["ids"][:, 1:]))
         pred = draft.vocab_map[draft.head(guess).argmax(-1)]
-        keep = b["mask"][:, :-1] & b["mask"][:, 1:] & (b["answer"][:, 1:] | (not answer_only))
+        keep = b["mask"][:, :-1] & b["mask"][:, 1:]
+        if answer_only:
+            keep = keep & b["answer"][:, 1:]
         hits += (pred == b["idx"][:, 1:, 0])[keep].sum().item()
         total += keep.sum().item()
     return round(hits / max(total, 1), 4)

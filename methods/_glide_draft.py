@@ -283,7 +283,9 @@ def glide_agreement(draft: GlideDraft, store, kv, embed, batch_size: int, offset
         positions = torch.arange(T, device=device)
         visible = (torch.arange(T, device=device)[None] < (positions - offset)[:, None])[None]
         pred = draft.vocab_map[draft.head(draft(embed(b["ids"]), positions, b["k"], b["v"], visible)).argmax(-1)]
-        keep = b["mask"] & (positions > offset) & (b["answer"] | (not answer_only))
+        keep = b["mask"] & (positions > offset)
+        if answer_only:
+            keep = keep & b["answer"]
         hits += (pred == b["idx"][..., 0])[keep].sum().item()
         total += keep.sum().item()
     return round(hits / total, 4) if total else float("nan")

@@ -126,8 +126,7 @@ def trained_draft_row(recipe: str, overrides: list[str], held_answers, held_top1
     # The recipe's label (``full~<hash>`` when recipe.* is overridden) and any other override, e.g. the draft's own.
     settings = [f"recipe={pair.teacher.recipe.label}", *(m for m in more if not m.startswith("recipe."))]
     label = f"{cfg.pair.name} draft ({', '.join(settings)})"
-    print(f"{label}: alpha {alpha:.3f}  c {c:.3f}  best {speedup:.2f}x at "
-          f"gamma={gamma}", flush=True)
+    print(f"{label}: alpha {alpha:.3f}  c {c:.3f}  best {speedup:.2f}x at gamma={gamma}", flush=True)
     return {"k": label, "alpha_tuned_lens": alpha, "alpha_logit_lens": None, "c": c,
             "best_gamma": gamma, "best_speedup": speedup}
 
