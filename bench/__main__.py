@@ -12,7 +12,7 @@ import importlib
 import logging
 import sys
 
-from bench.errors import BenchError
+from core.errors import BenchError
 
 COMMANDS = {
     "run": "bench.cli:run_main",

@@ -18,8 +18,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from bench.errors import BenchError
 from bench.validate import GROUPS
+from core.errors import BenchError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 log = logging.getLogger("bench")
@@ -39,9 +39,9 @@ def register_configs() -> None:
     method registered after import (a plug-in, a test) is an option too; each entry is stored once."""
     from hydra.core.config_store import ConfigStore
 
-    from bench.registry import get_method, known_methods
     from bench.validate import RunSettings
-    from decoding.teacher import RECIPES
+    from methods.registry import get_method, known_methods
+    from training.teacher import RECIPES
 
     store = ConfigStore.instance()
     for name in ["settings", *(f"recipe/{r}" for r in RECIPES), *known_methods()]:
@@ -200,15 +200,15 @@ def train_main(args: list[str]) -> int:
     if args[0] == "store":
         return train_store(args[1:])
     from bench.models import load_pair
-    from bench.registry import get_method, known_methods
     from bench.validate import validate
+    from methods.registry import get_method, known_methods
 
     picked, args = methods_arg(args) if args[0] == "all" else (None, args)
     cfg = validate(compose(args[1:]))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # ``train draft`` and ``train all`` load (and so distil) every draft of the pair; ``train method`` and
     # ``train all methods=...`` only the drafts those methods use. load_pair honours threads= as run does.
-    from decoding.distill import draft_report
+    from training.distill import draft_report
 
     names = [cfg.method.name] if args[0] == "method" else picked or known_methods()
     every_draft = args[0] == "draft" or (args[0] == "all" and not picked)
@@ -241,7 +241,7 @@ def train_main(args: list[str]) -> int:
 def methods_arg(args: list[str]) -> tuple[list[str] | None, list[str]]:
     """``train all``'s own ``methods=a,b,...`` (the methods to train, default every registered one) and the
     other arguments, for Hydra."""
-    from bench.registry import known_methods
+    from methods.registry import known_methods
 
     given = [a.partition("=")[2] for a in args if a.startswith("methods=")]
     rest = [a for a in args if not a.startswith("methods=")]
@@ -258,7 +258,7 @@ def methods_arg(args: list[str]) -> tuple[list[str] | None, list[str]]:
 
 def train_store(args: list[str]) -> int:
     """``train store [tokens=N] [recipe=NAME] [recipe.store.KEY=V ...] [overrides]``: build (or grow, or resume)
-    the pair's teacher stores under the recipe (``decoding/teacher.py``): the train split to ``recipe.tokens``
+    the pair's teacher stores under the recipe (``training/teacher.py``): the train split to ``recipe.tokens``
     and the held-out split to ``recipe.eval_tokens``; prints what they hold and what labelling cost."""
     from bench.models import load_pair
     from bench.validate import validate
@@ -278,9 +278,9 @@ def show_main(args: list[str]) -> int:
     named: the top-level settings) with its type, value and meaning, printed from the schema."""
     from tabulate import tabulate
 
-    from bench.registry import get_method
-    from bench.schema import rows
     from bench.validate import checked
+    from core.schema import rows
+    from methods.registry import get_method
 
     nodes = checked(compose(args))
     named = [g for g in GROUPS if any(a.partition("=")[0].lstrip("+~") == g for a in args)] or [""]

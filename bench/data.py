@@ -16,17 +16,16 @@ import json
 import random
 import re
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 from typing import Callable, Literal
 
 from omegaconf import DictConfig, OmegaConf
 from pydantic import Field, field_validator
 
-from bench import inputs
-from bench.errors import BenchError
-from bench.schema import Settings, check
-from decoding.corpus import lee_articles, wiki_articles
+from core import files
+from core.corpus import lee_articles, wiki_documents
+from core.errors import BenchError
+from core.schema import Settings, check
 
 
 @dataclass
@@ -213,7 +212,7 @@ def spec_bench_prompts(cfg: DictConfig) -> list[Prompt]:
     in ``turns``; :func:`encode` decodes the first. ``reference`` (where the file has one) is the first
     turn's, to match."""
     prompts = []
-    for row in inputs.read_question_file(str(cfg.path)):  # checked: one sentence per bad file or line
+    for row in files.read_question_file(str(cfg.path)):  # checked: one sentence per bad file or line
         ref = row.get("reference")
         if isinstance(ref, list):
             ref = ref[0] if ref else None
@@ -238,21 +237,6 @@ def lee_news_prompts(cfg: DictConfig) -> list[Prompt]:
     return [Prompt(f"lee-{split}-{i}", "summarization", [a]) for i, a in enumerate(lee_articles(split))]
 
 
-def _wiki_plain(text: str) -> str:
-    """Wiki text without what gensim's filter leaves in: bold and italic quote marks (\'\'\'Autism\'\'\' -> Autism)
-    and section headings (==History==)."""
-    text = re.sub(r"={2,}[^=]{1,80}={2,}", " ", text.replace("\'\'\'", "").replace("\'\'", ""))
-    return " ".join(text.split())
-
-
-@cache
-def wiki_documents() -> tuple[tuple[str, str], ...]:
-    """``(doc_id, text)`` of every article of gensim's Wikipedia extract (``decoding.corpus.wiki_articles``), as
-    plain text; ids ``wiki-<i>`` in the extract's order. The last tenth is the held-out split, as in
-    ``decoding.corpus.corpus``. NEST's datastore reads the same ids, so its citations name these articles."""
-    return tuple((f"wiki-{i}", _wiki_plain(text)) for i, text in enumerate(wiki_articles()))
-
-
 def lead_and_body(text: str, sentences: int, chars: int) -> tuple[str, str]:
     """An article's first ``sentences`` sentences (its lead) and at most ``chars`` characters of what follows,
     cut at the last sentence end (or word) inside that limit."""
@@ -275,7 +259,7 @@ def wiki_local_prompts(cfg: DictConfig) -> list[Prompt]:
     Wikipedia writes as the article's summary. ``split``: ``test`` = the extract's last tenth (10 articles),
     ``train`` = the rest. Prompt ids are the articles' ids (``wiki-<i>``, as in NEST's datastore)."""
     docs = wiki_documents()
-    cut = int(len(docs) * 0.9)  # the held-out last tenth, as decoding.corpus.corpus splits it
+    cut = int(len(docs) * 0.9)  # the held-out last tenth, as core.corpus.corpus splits it
     chosen = docs[cut:] if cfg.get("split", "test") == "test" else docs[:cut]
     prompts = []
     for doc_id, text in chosen:

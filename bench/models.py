@@ -1,7 +1,7 @@
 """Loading the models of a pair (target and drafts) from the hub, a local folder, a packaged GGUF file,
 a random config (tests) or a draft distilled by the harness.
 
-Every model is returned inside a :class:`bench.counting.CountedLM` tagged with its role.
+Every model is returned inside a :class:`core.counting.CountedLM` tagged with its role.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import importlib.util
 import json
 import logging
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -18,13 +17,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from pydantic import Field, field_validator
 
-from bench import inputs
-from bench.artifacts import Artifact, file_sha256, load_or_build
-from bench.counting import Counted, CountedLM
-from bench.errors import BenchError
-from bench.schema import Settings, as_config, check
-from decoding.distill import DistillRecipe
-from decoding.teacher import RECIPES, RecipeSettings, Teacher
+from core import files
+from core.artifacts import Artifact, file_sha256, load_or_build
+from core.counting import CountedLM
+from core.errors import BenchError
+from core.pair import Pair
+from core.schema import Settings, as_config, check
+from training.distill import DistillRecipe
+from training.teacher import RECIPES, RecipeSettings, Teacher
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class RandomModel(Settings):
 
 
 class DistilledDraft(Settings):
-    """A draft the harness distils from the target (decoding/distill.py)."""
+    """A draft the harness distils from the target (training/distill.py)."""
 
     source: Literal["distilled"] = Field("distilled", description="where the model comes from")
     recipe: DistillRecipe = Field(default_factory=DistillRecipe, description="how the draft is distilled")
@@ -118,21 +118,6 @@ class PairSettings(Settings):
         description="the model whose output every lossless method reproduces")
     drafts: list[Annotated[HubModel | RandomModel | DistilledDraft, Field(discriminator="source")]] = Field(
         default_factory=list, description="draft models, largest first")
-
-
-def target_family(pair: PairSettings) -> str | None:
-    """The target's family (transformers' ``model_type``) as known before any model loads: a random model's
-    ``family``, a local folder's ``config.json``; ``None`` where only loading would tell (a hub id, a GGUF file)."""
-    spec = pair.target
-    if spec.source == "random":
-        return spec.family
-    if spec.source == "hub" and inputs.looks_local(spec.id):
-        try:
-            config = json.loads((Path(spec.id).expanduser() / "config.json").read_text())
-        except (OSError, ValueError):
-            return None  # the folder's own check names the problem when it loads
-        return config.get("model_type") if isinstance(config, dict) else None
-    return None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -232,8 +217,8 @@ def hub_model(source: str, dtype: torch.dtype):
     """A causal LM by hub id or local path (the loading code users run with a hub)."""
     from transformers import AutoModelForCausalLM
 
-    if inputs.looks_local(source):
-        inputs.check_model_folder(Path(source).expanduser())  # one sentence for a bad folder, before transformers
+    if files.looks_local(source):
+        files.check_model_folder(Path(source).expanduser())  # one sentence for a bad folder, before transformers
     try:
         return AutoModelForCausalLM.from_pretrained(Path(source).expanduser() if Path(source).expanduser().exists() else source, dtype=dtype)
     except OSError as err:
@@ -252,48 +237,6 @@ def hub_tokenizer(source: str):
 
 
 # ----------------------------------------------------------------------------------------------- the pair
-
-
-@dataclass
-class Pair:
-    """The models of one run: the target, its drafts (ordered, largest first) and the tokenizer.
-
-    Methods add roles of their own (heads, verifier) with :meth:`add`; the harness resets and reads every
-    role's counts around each prompt.
-    """
-
-    name: str
-    tokenizer: object
-    target: CountedLM
-    drafts: list[CountedLM]
-    device: torch.device
-    dtype: torch.dtype
-    cache: Path
-    spec: DictConfig
-    teacher: Teacher  # the run's training recipe and the target's teacher stores, read by every trainer
-    roles: dict[str, Counted] = field(default_factory=dict)
-
-    def __post_init__(self):
-        self.roles["target"] = self.target
-        for i, draft in enumerate(self.drafts):
-            self.roles[draft.role] = draft
-
-    @property
-    def draft(self) -> CountedLM:
-        if not self.drafts:
-            raise BenchError(f"pair '{self.name}' has no draft model, which this method needs.")
-        return self.drafts[0]
-
-    def add(self, counted: Counted) -> Counted:
-        self.roles[counted.role] = counted
-        return counted
-
-    def reset_counts(self) -> None:
-        for c in self.roles.values():
-            c.reset()
-
-    def counts(self) -> dict[str, dict]:
-        return {role: c.stats() for role, c in self.roles.items()}
 
 
 def _target_tokenizer(spec: DictConfig, cache: Path):
@@ -357,7 +300,7 @@ def _load_draft(spec: DictConfig, target, tokenizer, dtype, teacher: Teacher, de
     if src == "random":
         return random_model(spec, target.config.vocab_size, specials_of(tokenizer))
     if src == "distilled":
-        from decoding.distill import load_or_train_draft
+        from training.distill import load_or_train_draft
 
         return load_or_train_draft(target, tokenizer, spec.recipe, teacher, device)
     raise AssertionError(f"draft source '{src}' passed PairSettings but has no loader")
@@ -383,7 +326,7 @@ def load_pair(cfg: DictConfig, train_if_missing: bool = True, n_drafts: int | No
         RecipeSettings, OmegaConf.to_container(cfg.recipe, resolve=True), "recipe", f"recipe={cfg.recipe.get('name')}")
     teacher = Teacher(recipe, cache, train_if_missing)
     # Models load in fp32 on the CPU first: training a missing draft needs fp32 and a frozen target (it trains on
-    # the run's device: decoding.distill moves the fp32 target there for the training only).
+    # the run's device: training.distill moves the fp32 target there for the training only).
     tokenizer = _target_tokenizer(pair_cfg.target, cache)
     specs = list(pair_cfg.get("drafts") or [])[:n_drafts]
     for i, dspec in enumerate(specs):  # before any weights load: a draft that tokenizes otherwise is refused
@@ -397,7 +340,7 @@ def load_pair(cfg: DictConfig, train_if_missing: bool = True, n_drafts: int | No
         drafts.append(CountedLM(d.to(device=device, dtype=dtype).eval(), "draft" if i == 0 else f"draft{i + 1}"))
     target = CountedLM(target.to(device=device, dtype=dtype), "target")
     if cfg.get("packed_linear", True) and device.type == "cpu" and dtype == torch.float32:
-        from bench.kernels import pack_linears
+        from core.kernels import pack_linears
 
         # After loading and any draft training: only inference forwards take the packed kernels.
         for lm in (target, *drafts):

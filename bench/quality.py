@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import torch
 
-from bench import metrics
+from core import metrics
 
 
 def token_agreement(output: list[int], baseline: list[int]) -> float:
@@ -113,7 +113,7 @@ def divergence(pair, rec: dict, base: dict) -> dict | None:
     """Where a greedy ``rec`` first leaves the baseline's tokens (None when it does not): ``position`` (index
     into ``output_ids``), ``margin`` (the target's top-1 minus top-2 logit there, given the prompt and the
     common prefix), ``tie`` (margin < ``eps``: the two kernels' rounding alone can flip that argmax) and ``eps``
-    (:func:`bench.metrics.tie_eps` of the pair's dtype). Untimed; the role counters are reset afterwards."""
+    (:func:`core.metrics.tie_eps` of the pair's dtype). Untimed; the role counters are reset afterwards."""
     i = metrics.first_difference(rec["output_ids"], base["output_ids"])
     if i is None:
         return None

@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from bench import study, summary
-from bench.errors import BenchError
+from core.errors import BenchError
 
 
 class Parser(argparse.ArgumentParser):

@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-RECORDS = "records.jsonl"
-PARTIAL = "records.partial.jsonl"
+from core.files import PARTIAL, RECORDS
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -117,7 +116,7 @@ def run_key(method_cfg: dict, cfg: DictConfig, prompt_id: str, trained: bool = F
         "seed": int(cfg.seed),
     }
     if trained and cfg.get("recipe") is not None:  # absent otherwise: older run keys stay valid
-        from decoding.teacher import store_key
+        from training.teacher import store_key
 
         recipe = OmegaConf.to_container(cfg.recipe, resolve=True)
         if recipe.get("store") is not None:  # as the store's own keys see it

@@ -18,11 +18,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from bench import metrics, quality, summary
-from bench.clock import clocked, sync
+from bench import quality, summary
 from bench.data import encode, load_prompts
-from bench.models import Pair, load_pair
-from bench.registry import get_method
+from bench.models import load_pair
 from bench.results import (
     RecordWriter,
     previous_records,
@@ -31,7 +29,11 @@ from bench.results import (
     write_json_atomic,
 )
 from bench.validate import validate
+from core import metrics
+from core.clock import clocked, sync
+from core.pair import Pair
 from decoding.sampling import Sampling
+from methods.registry import get_method
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +82,11 @@ def forward_seconds(device: torch.device, model, context: torch.Tensor, new_toke
 
     cache = DynamicCache()
     with torch.inference_mode():
-        model(context, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(context, cache=cache, use_cache=True, logits_to_keep=1)
     step = context[:, -new_tokens:]
     samples = []
     for _ in range(repeats + 1):
-        _, seconds = clocked(device, model, step, past_key_values=cache, use_cache=True)
+        _, seconds = clocked(device, model, step, cache=cache, use_cache=True)
         cache.crop(-new_tokens)
         samples.append(seconds)
     return metrics.median(samples[1:])

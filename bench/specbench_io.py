@@ -30,10 +30,10 @@ import math
 import re
 from pathlib import Path
 
-from bench import inputs
-from bench.errors import BenchError
 from bench.report_cli import Parser
 from bench.results import RecordWriter, write_json_atomic, write_text_atomic
+from core import files
+from core.errors import BenchError
 
 PROMPT_PREFIX = "sb-"  # this harness's prompt ids of Spec-Bench questions (bench.data's spec_bench source)
 
@@ -66,7 +66,7 @@ def export_answers(run_dir: Path, out: Path) -> list[Path]:
 
     from bench.study import labels
 
-    records = [rec for f in inputs.record_files(Path(run_dir)) for rec in inputs.read_results_file(f)]
+    records = [rec for f in files.record_files(Path(run_dir)) for rec in files.read_results_file(f)]
     df = pd.DataFrame([{k: v for k, v in rec.items() if not isinstance(v, (list, dict)) or k == "method_cfg"}
                        for rec in records])
     df["method_cfg"] = [rec.get("method_cfg") or {"name": rec["method"]} for rec in records]
@@ -85,9 +85,9 @@ def export_answers(run_dir: Path, out: Path) -> list[Path]:
 
 def _answer_rows(path: Path) -> list[dict]:
     """The answer lines of one Spec-Bench answer file, checked: one sentence on anything unreadable."""
-    text = inputs.decode_utf8(path.read_bytes(), str(path), "Spec-Bench answer file")
+    text = files.decode_utf8(path.read_bytes(), str(path), "Spec-Bench answer file")
     rows = []
-    for n, line in inputs.json_lines(text):
+    for n, line in files.json_lines(text):
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench import inputs
-from bench.errors import BenchError
+from core import files
+from core.errors import BenchError
 
 # Settings that, when they vary across the loaded records, become part of a row's label.
 SAMPLING_KEYS = ("temperature", "top_p", "max_new_tokens")
@@ -23,27 +23,27 @@ PAIR_KEYS = ["run_dir", "pair", "dataset", "prompt_id", "temperature", "top_p", 
 
 def find_record_files(paths: list[str]) -> list[Path]:
     """``records.jsonl`` files named directly or found anywhere under the given run or sweep directories
-    (:func:`bench.inputs.record_files`: an unfinished run's partial file is an error that says how to finish it)."""
+    (:func:`core.files.record_files`: an unfinished run's partial file is an error that says how to finish it)."""
     if not paths:
         raise BenchError("name at least one results directory or records file (e.g. results/sweeps/<date>/<time>).")
-    files = [f for p in paths for f in inputs.record_files(Path(p))]
-    return list(dict.fromkeys(f.resolve() for f in files))
+    found = [f for p in paths for f in files.record_files(Path(p))]
+    return list(dict.fromkeys(f.resolve() for f in found))
 
 
 def load(paths: list[str], baseline: str | None = None) -> tuple[pd.DataFrame, list[dict]]:
     """One row per record (with ``run_dir``, ``baseline``, flattened ``flops_total``, ``q_<metric>`` quality
     columns and the paired ``speedup``, ``base_wall_s``, ``base_new_tokens``), and the provenance
     (``run.json``) of every run directory that has one. Files are checked as they are read
-    (:mod:`bench.inputs`): an empty, foreign or damaged records file, or a run.json that is not JSON, is an error.
+    (:mod:`core.files`): an empty, foreign or damaged records file, or a run.json that is not JSON, is an error.
 
     ``baseline``: the method every record is paired against; ``None``: each run directory's own (its
     run.json's ``config.baseline``, ``ar`` when there is no run.json; a run without one pairs nothing).
     """
     rows, runs = [], []
     for f in find_record_files(paths):
-        prov = inputs.read_run_json(f.parent)
+        prov = files.read_run_json(f.parent)
         run_baseline = baseline or ((prov.get("config") or {}).get("baseline", "ar") if prov else "ar")
-        for rec in inputs.read_results_file(f):
+        for rec in files.read_results_file(f):
             row = {k: v for k, v in rec.items() if k not in ("prompt_ids", "output_ids", "output_text", "extra", "flops")}
             row["run_dir"] = str(f.parent)
             row["baseline"] = run_baseline
@@ -93,7 +93,7 @@ def labels(df: pd.DataFrame) -> pd.Series:
 def named_settings(method: str) -> list[str]:
     """The settings a registered method's labels always show (``Method.label_settings``); none for a name
     this harness does not register (records read from elsewhere)."""
-    from bench.registry import get_method
+    from methods.registry import get_method
 
     try:
         return list(get_method(method).label_settings)

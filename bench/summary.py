@@ -15,9 +15,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from bench import metrics, quality, study
-from bench.errors import BenchError
-from bench.results import RECORDS, clean_nan
+from bench import quality, study
+from bench.results import clean_nan
+from core import metrics
+from core.errors import BenchError
+from core.files import RECORDS
 
 # Columns of the summary table, in order (quality columns q_<name> follow; csv files hold them all).
 COLUMNS = ["label", "method", "pair", "dataset", "category", "prompts", "new_tokens", "wall_s", "ttft_s",
@@ -68,7 +70,7 @@ def near_tie(divergence) -> bool:
 def analytic_speedup(method: str, alpha: float, gamma: float, c: float) -> float:
     """The method's own analytic speedup model (``Method.analytic_speedup``: Leviathan et al.'s for ``sd``),
     NaN for a method that states none or a name no longer registered."""
-    from bench.registry import get_method
+    from methods.registry import get_method
 
     try:
         return float(get_method(method).analytic_speedup(alpha, gamma, c))

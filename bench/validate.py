@@ -2,9 +2,9 @@
 
 Each node is validated against its declaration (:class:`RunSettings` here: the top level; ``Method.Config``:
 the method and the baseline; ``bench.models.PairSettings``: the pair; ``bench.data``: the dataset's source;
-``decoding.teacher.RecipeSettings``: the training recipe and its teacher store), then the files the config names are read far enough to know they are
+``training.teacher.RecipeSettings``: the training recipe and its teacher store), then the files the config names are read far enough to know they are
 usable. The first problem is one sentence
-(:class:`bench.errors.BenchError`) naming the key, the value and what is allowed.
+(:class:`core.errors.BenchError`) naming the key, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import Field, field_validator
 
-from bench import adapter, inputs
 from bench.data import dataset_settings
-from bench.errors import BenchError
 from bench.models import HubModel, PairSettings
-from bench.registry import get_method
-from bench.schema import Settings, as_config, check
-from decoding.teacher import RecipeSettings
+from core import files, model_parts
+from core.errors import BenchError
+from core.schema import Settings, as_config, check
+from methods.registry import get_method
+from training.teacher import RecipeSettings
 
 GROUPS = ("method", "pair", "dataset", "recipe")  # the config groups (bench.cli reads them from here)
 DEFAULT_MAX_NEW_TOKENS = 128  # when neither the command line nor the dataset sets a budget
@@ -48,7 +48,7 @@ class RunSettings(Settings):
     train_if_missing: bool = Field(True, description="train a missing draft / heads / verifier before decoding")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (null: torch's default)")
     packed_linear: bool = Field(True, description="CPU fp32: forwards of >= 2 rows use oneDNN-packed weights "
-                                "(bench/kernels.py)")
+                                "(core/kernels.py)")
     resume: str | None = Field(None, min_length=1, description="DIR: write the run (with -m: the sweep) into DIR, "
                                "keep its complete records, decode only the rest")
 
@@ -113,18 +113,18 @@ def validate(cfg: DictConfig) -> DictConfig:
 
 
 def check_files(pair: PairSettings, dataset) -> None:
-    """The files a config names, read just far enough to trust them (``bench/inputs.py``): local model folders
+    """The files a config names, read just far enough to trust them (``core/files.py``): local model folders
     and the question file. The sentence is prefixed by the key that named the file."""
     named = [("pair.target.id" if i == 0 else f"pair.drafts.{i - 1}.id", spec)
              for i, spec in enumerate([pair.target, *pair.drafts])]
     for key, spec in named:
-        if isinstance(spec, HubModel) and inputs.looks_local(spec.id):
-            _with_key(key, inputs.check_model_folder, Path(spec.id).expanduser())
-            _with_key(key, adapter.check_folder_family, Path(spec.id).expanduser())
+        if isinstance(spec, HubModel) and files.looks_local(spec.id):
+            _with_key(key, files.check_model_folder, Path(spec.id).expanduser())
+            _with_key(key, model_parts.check_folder_family, Path(spec.id).expanduser())
             if key == "pair.target.id":  # the pair's tokenizer is the target's
-                _with_key(key, inputs.check_tokenizer_folder, Path(spec.id).expanduser())
+                _with_key(key, files.check_tokenizer_folder, Path(spec.id).expanduser())
     if dataset.source == "spec_bench" and "://" not in dataset.path:
-        _with_key("dataset.path", inputs.read_question_file, dataset.path)
+        _with_key("dataset.path", files.read_question_file, dataset.path)
 
 
 def check_resume(resume: str | None) -> None:

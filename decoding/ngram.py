@@ -4,11 +4,11 @@
   or earlier outputs of the target), so the tail of the current text can be looked up and what followed it
   proposed as a draft (prompt lookup decoding; LLMA, Yang et al. 2023).
 - :class:`CorpusNGrams`: the most frequent continuations of every n-gram of packaged text
-  (:mod:`decoding.corpus`) tokenised with the pair's tokenizer.
+  (:mod:`core.corpus`) tokenised with the pair's tokenizer.
 - :class:`BigramTable`: the most frequent next token after each token in the same text.
 
 The two corpus tables are built once (seconds) and cached under ``<cache>/ngram/`` by
-:func:`bench.artifacts.load_or_build`, keyed by the tokenizer and the recipe.
+:func:`core.artifacts.load_or_build`, keyed by the tokenizer and the recipe.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from bench.artifacts import Artifact, load_or_build, tokenizer_fingerprint
-from bench.errors import BenchError
+from core.artifacts import Artifact, load_or_build, tokenizer_fingerprint
+from core.errors import BenchError
 
 log = logging.getLogger(__name__)
 
@@ -193,8 +193,8 @@ class BigramTable:
 
 
 def corpus_token_docs(tokenizer, corpus_name: str) -> list[list[int]]:
-    """The documents of a packaged corpus (:func:`decoding.corpus.corpus`, train split), tokenised."""
-    from decoding.corpus import corpus
+    """The documents of a packaged corpus (:func:`core.corpus.corpus`, train split), tokenised."""
+    from core.corpus import corpus
 
     docs = corpus(corpus_name, "train")
     return [list(ids) for ids in tokenizer(list(docs), add_special_tokens=False)["input_ids"]]

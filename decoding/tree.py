@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.errors import BenchError
+from core.errors import BenchError
 
 
 class Tree:

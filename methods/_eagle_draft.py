@@ -34,24 +34,18 @@ from omegaconf import DictConfig
 from pydantic import Field
 from torch import nn
 
-from bench.artifacts import (
+from core.artifacts import (
     Artifact,
     load_or_build,
     recipe_key,
     report_of,
 )
-from bench.counting import Counted
-from decoding.distill import store_data, store_vocab
-from decoding.teacher import Teacher, tokenizer_key
-from decoding.training import TrainRecipe, fit
-from methods._adversarial import Adversary, AdversaryRecipe
-from methods._heads import (
-    body_config,
-    copy_last_layers,
-    draft_artifact,
-    feature_stores,
-    fp32_eval,
-)
+from core.counting import Counted
+from core.model_parts import body_config, copy_last_layers
+from methods.heads._adversarial import Adversary, AdversaryRecipe
+from training.kit import feature_stores, fp32_eval, module_artifact, store_data, store_vocab
+from training.loop import TrainRecipe, fit
+from training.teacher import Teacher, tokenizer_key
 
 
 class EagleRecipe(TrainRecipe):
@@ -102,14 +96,14 @@ class EagleDraft(nn.Module):
         earlier positions, extended in place (``None``: the whole sequence at once, as in training);
         ``kwargs``: ``attention_mask`` / ``position_ids`` (a draft tree)."""
         x = self.fc(torch.cat([feats, emb], dim=-1))
-        out = self.body(inputs_embeds=x, past_key_values=cache, use_cache=cache is not None, **kwargs)
+        out = self.body(inputs_embeds=x, cache=cache, use_cache=cache is not None, **kwargs)
         return out.last_hidden_state
 
 
 class CountedEagle(Counted):
     """The ``eagle`` role: ``draft(feats (1, n, H), emb (1, n, H), cache, rows, **kw)`` returns the guessed
     features ``(1, n, H)`` and the head's logits ``(1, rows, V')`` of the last ``rows`` positions (a catch-up
-    over the committed positions needs only the last), counted as such (FLOPs by :mod:`bench.flops`)."""
+    over the committed positions needs only the last), counted as such (FLOPs by :mod:`core.flops`)."""
 
     def __init__(self, draft: EagleDraft):
         super().__init__(draft, "eagle", draft.config)
@@ -223,7 +217,7 @@ def eagle_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher, meth
     ``method``: what the hint to train it names (``koala method.base=eagle`` trains a KOALA draft here too)."""
     key = {"recipe": recipe_key(recipe, layers=1, adversarial=None), "teacher": teacher.recipe.budget("eagle"),
            **tokenizer_key(tokenizer)}
-    return draft_artifact("eagle", target, key, lambda: train_eagle(target, tokenizer, recipe, teacher),
+    return module_artifact("eagle", target, key, lambda: train_eagle(target, tokenizer, recipe, teacher),
                           lambda vocab_map, layers: EagleDraft(target.config, vocab_map, layers),
                           hint=f"run 'python -m bench train method method={method}' with the same recipe=",
                           description="EAGLE draft layer" if int(recipe.get("layers", 1)) == 1 else "EAGLE draft")

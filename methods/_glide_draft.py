@@ -59,20 +59,19 @@ from pydantic import Field
 from torch import nn
 from torch.nn.functional import scaled_dot_product_attention
 
-from bench.adapter import decoder_layers
-from bench.artifacts import (
+from core.artifacts import (
     Artifact,
     load_or_build,
     recipe_key,
     report_of,
 )
-from bench.counting import Counted
-from bench.errors import BenchError
-from decoding.distill import store_data, store_vocab, sub_index
-from decoding.teacher import Teacher, kv_layer, tokenizer_key
-from decoding.training import TrainRecipe, fit
+from core.counting import Counted
+from core.errors import BenchError
+from core.model_parts import body_config, copy_last_layers, decoder_layers
 from decoding.tree import additive_mask
-from methods._heads import body_config, copy_last_layers, draft_artifact, fp32_eval
+from training.kit import fp32_eval, module_artifact, store_data, store_vocab, sub_index
+from training.loop import TrainRecipe, fit
+from training.teacher import Teacher, kv_layer, tokenizer_key
 
 BLOCK_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
@@ -154,7 +153,7 @@ class CrossAttention(nn.Module):
 
 class GlideDraft(nn.Module):
     """``layers`` GliDe blocks of the target's classes (self-attention, norms and MLP from transformers' model cut
-    to that depth, :func:`methods._heads.body_config`; its rotary and final norm), a :class:`CrossAttention` and its
+    to that depth, :func:`methods.heads._heads.body_config`; its rotary and final norm), a :class:`CrossAttention` and its
     norm per block, and the frozen ``head`` (the target's output rows of ``vocab_map``, ``LongTensor (V',)``)."""
 
     def __init__(self, target_config, vocab_map: torch.Tensor, layers: int = 1):
@@ -203,7 +202,7 @@ class GlideDraft(nn.Module):
         h = emb
         for block, norm, cross in zip(self.body.layers, self.cross_norm, self.cross):
             h = h + block.self_attn(block.input_layernorm(h), position_embeddings=cos_sin, attention_mask=causal,
-                                    past_key_values=cache)[0]
+                                    cache=cache)[0]
             h = h + cross(norm(h), cos_sin, k, v, visible)
             h = h + block.mlp(block.post_attention_layernorm(h))
         return self.body.norm(h)
@@ -211,7 +210,7 @@ class GlideDraft(nn.Module):
 
 class CountedGlide(Counted):
     """The ``glide`` role: ``draft(emb, positions, k, v, visible, cache, rows)`` returns the head's logits
-    ``(B, rows, V')`` of the last ``rows`` positions. Counted as :mod:`bench.flops` counts a model (the blocks'
+    ``(B, rows, V')`` of the last ``rows`` positions. Counted as :mod:`core.flops` counts a model (the blocks'
     and the cross-attention's weights, self-attention over the draft's cache), plus the cross-attention's
     scores and weighted sum over the target's m keys (4 FLOPs per query, key and attention width, per block),
     the head on ``rows`` positions only."""
@@ -349,7 +348,7 @@ def train_glide(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
 def glide_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> Artifact:
     """GliDe's draft of (target, recipe, tokenizer, the run's training recipe) as a cached artifact: ``glide.pt``."""
     key = {"recipe": recipe_key(recipe), "teacher": teacher.recipe.budget("glide"), **tokenizer_key(tokenizer)}
-    return draft_artifact("glide", target, key, lambda: train_glide(target, tokenizer, recipe, teacher),
+    return module_artifact("glide", target, key, lambda: train_glide(target, tokenizer, recipe, teacher),
                           lambda vocab_map, layers: GlideDraft(target.config, vocab_map, layers),
                           hint="run 'python -m bench train method method=glide' with the same recipe=",
                           description="GliDe draft")

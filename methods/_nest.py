@@ -7,7 +7,7 @@
   tokens; for every passage position, the target's hidden state entering its last decoder layer (the key the
   authors' code uses) with the passage read on its own from its first token, as the authors encode retrieved
   passages; stored as fp16 (``keys.npy``, memory-mapped on load) beside the tokens and the passages' texts.
-  Built once per (target weights, tokenizer, corpus, cut) through :mod:`bench.artifacts`; a folder given as
+  Built once per (target weights, tokenizer, corpus, cut) through :mod:`core.artifacts`; a folder given as
   ``method.datastore`` is checked against the same fingerprints and refused when built for another model.
 - :class:`Datastore.retrieve`: the passage-level search, TF-IDF cosine over the passages' texts (scikit-learn).
 - :class:`TokenIndex`: a prompt's retrieved passages' keys on the device, searched by L2 distance.
@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.adapter import decoder_layers
-from bench.errors import BenchError
+from core.errors import BenchError
+from core.model_parts import decoder_layers
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +38,7 @@ def documents(corpus: str) -> list[tuple[str, str]]:
     """``(doc_id, text)`` of a datastore corpus: ``news``, ``lee``, ``wiki`` or two joined by ``+``. Ids are those
     of the prompts drawn from the same text (``lee-test-3`` for ``dataset=news``, ``wiki-91`` for
     ``dataset=wiki_local``), so a citation can be checked against the prompt's own article."""
-    from bench.data import wiki_documents
-    from decoding.corpus import lee_articles
+    from core.corpus import lee_articles, wiki_documents
 
     docs: list[tuple[str, str]] = []
     for part in corpus.split("+"):
@@ -169,7 +168,7 @@ def build(folder: Path, model: torch.nn.Module, tokenizer, settings: dict, batch
 
 
 def load(folder: Path) -> Datastore:
-    from bench.artifacts import read_manifest
+    from core.artifacts import read_manifest
 
     index = json.loads((folder / INDEX).read_text())
     return Datastore(folder, index["docs"], index["passages"], index["texts"], np.load(folder / TOKENS),
@@ -178,7 +177,7 @@ def load(folder: Path) -> Datastore:
 
 def datastore_key(pair, settings: dict) -> dict:
     """What a datastore's content depends on: the target's weights, the tokenizer and the build settings."""
-    from bench.artifacts import model_fingerprint, tokenizer_fingerprint
+    from core.artifacts import model_fingerprint, tokenizer_fingerprint
 
     return {"target": model_fingerprint(pair.target.module), "tokenizer": tokenizer_fingerprint(pair.tokenizer),
             "keys": "input of the last decoder layer", **settings}
@@ -192,7 +191,7 @@ def check_folder(path: str) -> str | None:
         return f"{folder} does not exist"
     if not folder.is_dir():
         return f"{folder} is not a folder"
-    from bench.artifacts import read_manifest
+    from core.artifacts import read_manifest
 
     manifest = read_manifest(folder)
     if not isinstance(manifest, dict):
@@ -206,7 +205,7 @@ def open_given(path: str, pair, settings: dict) -> Datastore:
     """The datastore folder ``path`` (``method.datastore``), refused in one sentence when damaged, built for
     another target or tokenizer (its manifest's fingerprints differ from this pair's), or from other build
     ``settings`` (corpus, doc_tokens, passage_len) than the run names, which its records would then misstate."""
-    from bench.artifacts import problem, read_manifest
+    from core.artifacts import problem, read_manifest
 
     folder = Path(path).expanduser()
     if (why := check_folder(path)) is not None:
@@ -234,7 +233,7 @@ def open_given(path: str, pair, settings: dict) -> Datastore:
 def load_or_build_datastore(pair, settings: dict, build_if_missing: bool) -> Datastore:
     """The datastore of ``settings`` (corpus, doc_tokens, passage_len) for ``pair``'s target and tokenizer, from
     ``cache_dir/nest/``, built first when missing."""
-    from bench.artifacts import Artifact, load_or_build
+    from core.artifacts import Artifact, load_or_build
 
     module = pair.target.module
     art = Artifact("nest", "datastore", datastore_key(pair, settings),

@@ -40,17 +40,17 @@ from pydantic import Field
 from torch import nn
 from transformers import DynamicCache
 
-from bench.artifacts import (
+from core.artifacts import (
     Artifact,
     load_or_build,
     model_fingerprint,
     recipe_key,
     report_of,
 )
-from bench.counting import truncate_cache
-from decoding.teacher import Teacher, TeacherStore, tokenizer_key
-from decoding.training import TrainRecipe, fit
-from methods._heads import fp32_eval
+from decoding.cache import truncate_cache
+from training.kit import fp32_eval
+from training.loop import TrainRecipe, fit
+from training.teacher import Teacher, TeacherStore, tokenizer_key
 
 FIELDS = ("ids", "mask", "idx", "prob")  # what training reads of the store (no hidden states)
 
@@ -110,7 +110,7 @@ def row_cache(target, ids: torch.Tensor) -> DynamicCache:
     the output head is not run."""
     cache = DynamicCache()
     with torch.no_grad():
-        target.base_model(input_ids=ids, past_key_values=cache, use_cache=True)
+        target.base_model(input_ids=ids, cache=cache, use_cache=True)
     return cache
 
 
@@ -124,7 +124,7 @@ def group_logits(target, cache: DynamicCache, cuts: torch.Tensor, emb: torch.Ten
     pos = (cuts[..., None] + torch.arange(k, device=cuts.device)).reshape(B, m * k)
     mask = group_mask(cuts, k, past, x.dtype)
     try:
-        out = target(inputs_embeds=x, past_key_values=cache, use_cache=True, position_ids=pos, attention_mask=mask)
+        out = target(inputs_embeds=x, cache=cache, use_cache=True, position_ids=pos, attention_mask=mask)
     finally:
         truncate_cache(cache, past)  # the masks' keys and values never stay
     return out.logits.view(B, m, k, -1)

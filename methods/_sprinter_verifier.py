@@ -1,7 +1,7 @@
 """SPRINTER's learned verifier (Zhong, Teku and Tandon 2025): its model, features, training and cache.
 
 The verifier is trained once per (target, draft, recipe, training recipe) by :func:`train_verifier` and cached
-under ``cache_dir/verifiers/``. Examples come from the teacher store (:mod:`decoding.teacher`): at every position
+under ``cache_dir/verifiers/``. Examples come from the teacher store (:mod:`training.teacher`): at every position
 of its text and of the target's own answers the draft proposes its own token (its argmax, or a draw from q when
 sampling: on-policy for the candidate), and the label says whether the target would accept that token (greedy:
 it is the target's argmax, stored; sampling: q(x) <= p(x), the paper's rule, with p from the target's stored
@@ -23,9 +23,9 @@ from pydantic import Field
 from torch import nn
 from tqdm.auto import tqdm
 
-from bench.artifacts import Artifact, load_or_build, model_fingerprint, report_of
-from bench.errors import BenchError
-from decoding.training import TrainRecipe, fit
+from core.artifacts import Artifact, load_or_build, model_fingerprint, report_of
+from core.errors import BenchError
+from training.loop import TrainRecipe, fit
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def features(hidden: torch.Tensor, logits: torch.Tensor, use_probs: bool) -> tor
 def draft_forward(draft, input_ids: torch.Tensor, cache=None, **kw):
     """One draft forward returning ``(logits (B, T, vocab), last hidden (B, T, hidden))``.
 
-    ``draft`` is a :class:`bench.counting.CountedLM` (decoding: counted) or a bare module (training).
+    ``draft`` is a :class:`core.counting.CountedLM` (decoding: counted) or a bare module (training).
     A distilled ``DraftLM`` returns ``hidden_states=(last,)``; a Hugging Face model returns every layer's,
     the last one last.
     """

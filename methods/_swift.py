@@ -4,7 +4,7 @@ Acceleration", ICLR): the skip set, the target run without it, and the search th
 - :class:`SkipSet`: which attention and which MLP sub-layers the draft skips. The first and the last layer are
   always kept, as in the paper; a search skips ``max(1, int(2 (L - 2) * skip_ratio))`` of the ``2 (L - 2)``
   sub-layers between them.
-- :class:`SkippingLM`: the target's own weights run with a skip set (:func:`bench.adapter.skipping`), counted
+- :class:`SkippingLM`: the target's own weights run with a skip set (:func:`core.model_parts.skipping`), counted
   in a role of its own whose FLOPs are those of the sub-layers it runs. Its KV entries go into the target's
   cache, only for the attention layers it runs, and are cropped before the target verifies.
 - :class:`SkipSearch`: the paper's optimisation stage. Each iteration proposes a candidate set (random search;
@@ -30,10 +30,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.adapter import decoder_layers, skipping, sublayers
-from bench.clock import clocked
-from bench.counting import CountedLM, truncate_cache
-from bench.errors import BenchError
+from core.clock import clocked
+from core.counting import CountedLM
+from core.errors import BenchError
+from core.model_parts import decoder_layers, skipping, sublayers
+from decoding.cache import truncate_cache
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class SkipSet:
 class SkippingLM(CountedLM):
     """The target's module run without the sub-layers of :attr:`skip`, counted as ``role``.
 
-    ``lm(input_ids (1, n), cache, **kw)`` as a :class:`~bench.counting.CountedLM`; ``use(skip)`` switches the
+    ``lm(input_ids (1, n), cache, **kw)`` as a :class:`~core.counting.CountedLM`; ``use(skip)`` switches the
     set (and the FLOPs formula with it)."""
 
     def __init__(self, target: CountedLM, role: str):
@@ -203,9 +204,9 @@ def load_or_build_skip_set(pair, settings, n_layers: int, build_if_missing: bool
     from tqdm.auto import tqdm
     from transformers import DynamicCache
 
-    from bench.artifacts import Artifact, load_or_build, model_fingerprint
-    from decoding.corpus import instruction_prompts
-    from decoding.teacher import target_answers
+    from core.artifacts import Artifact, load_or_build, model_fingerprint
+    from core.corpus import instruction_prompts
+    from training.teacher import target_answers
 
     target = pair.target
     keys = ("skip_ratio", "context_window", "bayes_interval", "max_iters", "patience", "target_score", "calibration",
@@ -220,7 +221,7 @@ def load_or_build_skip_set(pair, settings, n_layers: int, build_if_missing: bool
                                                        "swift: target answers"):
                 if answer.numel() >= 2:
                     cache = DynamicCache()
-                    target.module(prompt[None].to(target.device), past_key_values=cache, use_cache=True,
+                    target.module(prompt[None].to(target.device), cache=cache, use_cache=True,
                                   logits_to_keep=1)
                     cases.append((cache, answer.tolist()))
             if not cases:

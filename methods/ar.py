@@ -6,9 +6,9 @@ target's own choice (argmax, or a sample) is committed.
 
 from __future__ import annotations
 
-from bench.registry import register
 from decoding.tree import Tree
 from methods.base import Decoding, Draft, DraftVerify
+from methods.registry import register
 
 
 @register("ar")

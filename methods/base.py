@@ -24,10 +24,10 @@ from omegaconf import DictConfig, OmegaConf
 from pydantic import Field
 from transformers import DynamicCache
 
-from bench.counting import truncate_cache
-from bench.errors import BenchError
-from bench.models import Pair
-from bench.schema import Settings, as_config, check
+from core.errors import BenchError
+from core.pair import Pair
+from core.schema import Settings, as_config, check
+from decoding.cache import truncate_cache
 from decoding.sampling import Sampling, next_token
 from decoding.tree import Tree, keep_path, score_tree
 from decoding.verify import verify_chain, verify_tree

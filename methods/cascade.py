@@ -30,15 +30,15 @@ import torch.nn.functional as F
 from pydantic import Field, NonNegativeInt, model_validator
 from transformers import DynamicCache
 
-from bench.counting import truncate_cache
-from bench.errors import BenchError
-from bench.metrics import ratio
-from bench.registry import register
-from decoding.corpus import Corpus
+from core.corpus import Corpus
+from core.errors import BenchError
+from core.metrics import ratio
+from decoding.cache import truncate_cache
 from decoding.ngram import NGramIndex, load_bigram_table, ngram_sizes
 from decoding.sampling import probs_from_logits
 from decoding.verify import verify_chain
 from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.registry import register
 
 # Default k-matrices by the number of levels (target, drafts..., statistical): row i lists how many tokens
 # each lower level contributes to one proposal that level i reviews. A level asked for n tokens reviews

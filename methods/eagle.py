@@ -28,13 +28,13 @@ import torch
 from pydantic import Field
 from transformers import DynamicCache
 
-from bench.counting import truncate_cache
-from bench.registry import register
+from decoding.cache import truncate_cache
 from decoding.sampling import draft_token
 from decoding.tree import Tree, additive_mask
 from methods._eagle_draft import CountedEagle, EagleRecipe, load_or_train_eagle
-from methods._heads import check_store_keeps_hidden
 from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.registry import register
+from training.kit import check_store_keeps_hidden
 
 
 class EagleSettings(MethodSettings):

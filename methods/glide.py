@@ -34,13 +34,10 @@ import torch
 from pydantic import Field, model_validator
 from transformers import DynamicCache
 
-from bench.adapter import LEARNED_POSITIONS
-from bench.counting import truncate_cache
-from bench.errors import BenchError
-from bench.models import target_family
-from bench.registry import register
+from core.errors import BenchError
+from core.model_parts import LEARNED_POSITIONS, target_family
+from decoding.cache import truncate_cache
 from decoding.sampling import draft_token
-from decoding.teacher import kv_layer
 from decoding.tree import Tree
 from methods._glide_draft import (
     CountedGlide,
@@ -50,6 +47,8 @@ from methods._glide_draft import (
     load_or_train_glide,
 )
 from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.registry import register
+from training.teacher import kv_layer
 
 
 class GlideSettings(MethodSettings):

@@ -49,9 +49,9 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from bench.registry import register
 from decoding.tree import Tree, keep_path, read_nodes
 from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.registry import register
 
 
 class Graph:

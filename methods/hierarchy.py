@@ -26,15 +26,15 @@ from typing import Literal, get_args
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from bench import inputs
-from bench.errors import BenchError
-from bench.metrics import ratio
-from bench.registry import register
-from bench.schema import Settings
-from decoding.corpus import Corpus
+from core import files
+from core.corpus import Corpus
+from core.errors import BenchError
+from core.metrics import ratio
+from core.schema import Settings
 from decoding.ngram import NGramIndex, load_corpus_ngrams, ngram_sizes
 from decoding.tree import Tree
 from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.registry import register
 
 Database = Literal["context", "model", "statistics"]
 DATABASES = get_args(Database)
@@ -43,7 +43,7 @@ DATABASES = get_args(Database)
 def load_records_db(path: str, pair_name: str) -> list[tuple[tuple[int, ...], list[int]]]:
     """``(prompt_ids, output_ids)`` of every record of ``pair_name`` in a harness ``records.jsonl``."""
     docs = []
-    for rec in inputs.read_results_file(Path(path).expanduser()):  # checked: one sentence on a bad file
+    for rec in files.read_results_file(Path(path).expanduser()):  # checked: one sentence on a bad file
         if rec.get("pair") == pair_name and rec.get("output_ids"):
             docs.append((tuple(rec["prompt_ids"]), list(rec["output_ids"])))
     if not docs:
@@ -54,9 +54,9 @@ def load_records_db(path: str, pair_name: str) -> list[tuple[tuple[int, ...], li
 def load_or_build_model_db(pair, settings, build_if_missing: bool) -> list[list[int]]:
     """The target's greedy answers (token ids) to ``settings.prompts`` packaged instructions, cached as JSON
     under ``cache/ngram/`` keyed by the target's weights and ``settings``; generated once when missing."""
-    from bench.artifacts import Artifact, load_or_build, model_fingerprint
-    from decoding.corpus import instruction_prompts
-    from decoding.teacher import target_answers
+    from core.artifacts import Artifact, load_or_build, model_fingerprint
+    from core.corpus import instruction_prompts
+    from training.teacher import target_answers
 
     target = pair.target.module
 
@@ -123,7 +123,7 @@ class Hierarchy(DraftVerify):
             """A finished records.jsonl of this harness (read now: before any model loads)."""
             if path:
                 try:
-                    inputs.read_results_file(Path(path).expanduser())
+                    files.read_results_file(Path(path).expanduser())
                 except BenchError as err:
                     raise ValueError(str(err)) from None
             return path

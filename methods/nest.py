@@ -58,8 +58,7 @@ from typing import Literal
 import torch
 from pydantic import Field, field_validator
 
-from bench.metrics import ratio
-from bench.registry import register
+from core.metrics import ratio
 from decoding.sampling import probs_from_logits, sample
 from methods._nest import (
     TokenIndex,
@@ -69,6 +68,7 @@ from methods._nest import (
     open_given,
 )
 from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.registry import register
 
 NEST_CORPORA = Literal["news", "lee", "wiki", "news+wiki", "lee+wiki"]
 TIE = 1e-6  # neighbours whose tokens the mixture scores alike are ordered by their own kNN weight

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from bench.metrics import ratio
-from bench.registry import register
+from core.metrics import ratio
 from decoding.ngram import NGramIndex, ngram_sizes
 from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.registry import register
 
 
 @register("pld")

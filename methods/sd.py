@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from pydantic import Field, model_validator
 
-from bench import metrics
-from bench.registry import register
+from core import metrics
 from decoding.sampling import probs_from_logits, sample
 from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.registry import register
 
 
 def draft_chain(draft, cache, pending: list[int], gamma: int, sampling, generator, device, confidence: float = 0.0):

@@ -55,14 +55,14 @@ import contextlib
 import torch
 from pydantic import Field
 
-from bench.errors import BenchError
-from bench.metrics import ratio
-from bench.registry import register
+from core.errors import BenchError
+from core.metrics import ratio
 from decoding.sampling import next_token
 from decoding.tree import Tree, keep_path, score_tree
 from decoding.verify import verify_chain
 from methods._space import SpaceRecipe, load_or_train_space
 from methods.base import Decoded, Decoding, DraftVerify, MethodSettings
+from methods.registry import register
 
 MASK = -1  # the token a mask slot holds in a layout's tree (its input is a trained embedding, not a token)
 

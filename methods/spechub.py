@@ -63,7 +63,6 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from bench.registry import register
 from decoding.sampling import probs_from_logits, sample
 from decoding.tree import Tree, keep_path, read_nodes
 from decoding.verify import (
@@ -74,6 +73,7 @@ from decoding.verify import (
     verify_hub,
 )
 from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.registry import register
 
 
 def draw_without_replacement(q: torch.Tensor, k: int, generator) -> tuple[list[int], list[torch.Tensor]]:

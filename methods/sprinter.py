@@ -26,9 +26,8 @@ from collections import Counter
 import torch
 from pydantic import Field
 
-from bench.counting import CountedModule
-from bench.errors import BenchError
-from bench.registry import register
+from core.counting import CountedModule
+from core.errors import BenchError
 from decoding.sampling import next_token, probs_from_logits, sample
 from decoding.tree import Tree
 from decoding.verify import verify_chain
@@ -40,6 +39,7 @@ from methods._sprinter_verifier import (
     verifier_dir,
 )
 from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.registry import register
 
 
 @register("sprinter")

@@ -34,9 +34,8 @@ from typing import Literal
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from bench.counting import truncate_cache
-from bench.metrics import ratio
-from bench.registry import register
+from core.metrics import ratio
+from decoding.cache import truncate_cache
 from decoding.sampling import probs_from_logits, sample
 from decoding.tree import Tree
 from methods._swift import (
@@ -49,6 +48,7 @@ from methods._swift import (
     prompt_cache,
 )
 from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.registry import register
 
 CONFIDENCE_BANDS = (0.95, 0.8, 0.5)  # the paper's: a top-1 probability above each picks widths[0], [1], [2]
 

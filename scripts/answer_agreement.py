@@ -35,12 +35,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench.cli import compose  # noqa: E402
 from bench.data import builtin_prompts  # noqa: E402
-from bench.errors import BenchError  # noqa: E402
 from bench.models import load_pair  # noqa: E402
 from bench.results import provenance, write_json_atomic  # noqa: E402
 from bench.validate import validate  # noqa: E402
-from decoding.corpus import instruction_prompts  # noqa: E402
-from decoding.teacher import target_answers  # noqa: E402
+from core.corpus import instruction_prompts  # noqa: E402
+from core.errors import BenchError  # noqa: E402
+from training.teacher import target_answers  # noqa: E402
 
 
 def prompt_sets(n: int) -> dict[str, list[str]]:

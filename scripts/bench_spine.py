@@ -22,15 +22,15 @@ from transformers.utils import is_sklearn_available
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import metrics  # noqa: E402
 from bench.cli import compose  # noqa: E402
 from bench.data import encode, load_prompts  # noqa: E402
 from bench.models import load_pair  # noqa: E402
-from bench.registry import get_method  # noqa: E402
 from bench.results import provenance, write_json_atomic  # noqa: E402
 from bench.runner import clocked, cost_ratio, timed_decode  # noqa: E402
 from bench.validate import validate  # noqa: E402
+from core import metrics  # noqa: E402
 from decoding.sampling import Sampling  # noqa: E402
+from methods.registry import get_method  # noqa: E402
 
 
 def hf_generate(pair, x, max_new, gamma=None, confidence=0.0):

@@ -12,7 +12,7 @@ Measured in one run, on the pair's target (default: SmolLM2-135M-Instruct, fp32)
   the same range (README: 0.21-0.29 at k = 4), so read it as what depth k knows, not as a bound.
   ``logit_lens``: the same without the translator (the target's norm and head on layer k directly).
 - ``c(k)``: time of a one-token forward through the first k layers with a ``--draft-vocab``-token head
-  (8,192: the shape of the harness's distilled draft, decoding/distill.py), over the target's one-token forward.
+  (8,192: the shape of the harness's distilled draft, training/distill.py), over the target's one-token forward.
 - ``r(T)``: time of a T-token target forward over a one-token one: verifying a draft is not free here.
 - ``best_speedup(k)``: max over gamma of Leviathan et al.'s expected speedup with that verification cost,
   E[tokens](alpha, gamma) / (gamma c + r(gamma + 1)).
@@ -42,16 +42,16 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import metrics  # noqa: E402
 from bench.cli import compose  # noqa: E402
-from bench.errors import BenchError  # noqa: E402
 from bench.models import load_pair  # noqa: E402
 from bench.results import provenance, write_json_atomic  # noqa: E402
 from bench.runner import forward_seconds  # noqa: E402
 from bench.validate import validate  # noqa: E402
-from decoding.corpus import corpus, instruction_prompts  # noqa: E402
-from decoding.distill import draft_from_target  # noqa: E402
-from decoding.teacher import target_answers, token_chunks  # noqa: E402
+from core import metrics  # noqa: E402
+from core.corpus import corpus, instruction_prompts  # noqa: E402
+from core.errors import BenchError  # noqa: E402
+from training.distill import draft_from_target  # noqa: E402
+from training.teacher import target_answers, token_chunks  # noqa: E402
 
 
 @torch.no_grad()

@@ -30,13 +30,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.cli import compose  # noqa: E402
-from bench.errors import BenchError  # noqa: E402
 from bench.models import load_pair, resolve_device  # noqa: E402
 from bench.plots import save_learning_curve  # noqa: E402
-from bench.registry import get_method  # noqa: E402
 from bench.results import provenance, write_json_atomic  # noqa: E402
 from bench.validate import validate  # noqa: E402
-from decoding.distill import draft_report  # noqa: E402
+from core.errors import BenchError  # noqa: E402
+from methods.registry import get_method  # noqa: E402
+from training.distill import draft_report  # noqa: E402
 
 
 def point(overrides: list[str], tokens: int, methods: list[str]) -> tuple[dict, object]:

@@ -38,14 +38,15 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import inputs, summary  # noqa: E402
+from bench import summary  # noqa: E402
 from bench.cli import compose  # noqa: E402
-from bench.errors import BenchError  # noqa: E402
 from bench.models import load_pair, resolve_device  # noqa: E402
-from bench.registry import get_method  # noqa: E402
 from bench.results import provenance, write_json_atomic  # noqa: E402
 from bench.validate import validate  # noqa: E402
-from decoding.distill import draft_report  # noqa: E402
+from core import files  # noqa: E402
+from core.errors import BenchError  # noqa: E402
+from methods.registry import get_method  # noqa: E402
+from training.distill import draft_report  # noqa: E402
 
 HEADS = ("medusa", "hydra", "hydra_pp", "amphista")
 
@@ -100,7 +101,7 @@ def sweep_summary(sweeps: list[Path]) -> dict:
     keep = ["label", "speedup_median", "speedup_lo", "speedup_hi", "mean_accepted", "alpha", "matches_baseline"]
     out = {}
     for sweep in sweeps:
-        prov = inputs.read_run_json(sweep)  # whom the run timed against (baseline=eagle, say), as bench table reads it
+        prov = files.read_run_json(sweep)  # whom the run timed against (baseline=eagle, say), as bench table reads it
         against = ((prov or {}).get("config") or {}).get("baseline", "ar")
         for row in summary.as_rows(summary.run_summary(sweep)):
             if row["method"] == "ar":

@@ -1,3 +1,4 @@
+import logging
 import os
 import sys
 from pathlib import Path
@@ -10,6 +11,31 @@ sys.path.insert(0, str(ROOT))
 SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 torch.set_grad_enabled(True)
+
+
+class _Deprecations(logging.Handler):
+    """Collects what a library logs about deprecated use (transformers says some of it through its logger, once
+    per process, not through ``warnings``)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.seen: list[str] = []
+
+    def emit(self, record):
+        if "deprecat" in record.getMessage().lower():
+            self.seen.append(record.getMessage())
+
+
+@pytest.fixture(autouse=True)
+def no_library_deprecations():
+    """A test whose calls make transformers log a deprecation fails (pyproject's ``filterwarnings`` does the same
+    for deprecation warnings)."""
+    handler = _Deprecations()
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    yield
+    logger.removeHandler(handler)
+    assert not handler.seen, f"transformers logged a deprecation: {handler.seen[0]}"
 
 
 @pytest.fixture(scope="session")

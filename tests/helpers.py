@@ -3,8 +3,8 @@
 import torch
 from omegaconf import OmegaConf
 
-from bench.registry import get_method
 from decoding.sampling import Sampling, probs_from_logits
+from methods.registry import get_method
 
 
 def method_cfg(name, **overrides):
@@ -42,7 +42,7 @@ def with_drafts(pair, *modules):
     """``pair`` with other draft models (counted as draft, draft2, ...) and a role table of its own."""
     import dataclasses
 
-    from bench.counting import CountedLM
+    from core.counting import CountedLM
 
     drafts = [CountedLM(m, "draft" if i == 0 else f"draft{i + 1}") for i, m in enumerate(modules)]
     return dataclasses.replace(pair, drafts=drafts, roles={})
@@ -139,7 +139,7 @@ def assert_cache_is_a_plain_pass(module, cache, prompt: list[int], seq: list[int
     n = cache.get_seq_length()
     assert len(prompt) < n <= len(seq) - 1
     with torch.no_grad():
-        fresh = module(torch.tensor([seq[:n]]), use_cache=True).past_key_values
+        fresh = module(torch.tensor([seq[:n]]), use_cache=True).cache
     for mine, ref in zip(cache.layers, fresh.layers, strict=True):
         torch.testing.assert_close(mine.keys, ref.keys, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(mine.values, ref.values, atol=1e-4, rtol=1e-4)

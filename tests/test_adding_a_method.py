@@ -1,6 +1,6 @@
-"""The README's "Adding a method" example, run exactly as written: its Python block is saved as a module and
-imported (registering the method with its settings), and it goes through the same checks the registry walk
-and the schema walk apply to every shipped method."""
+"""The "Adding a method" page's example (docs/adding-a-method.md), run exactly as written: its one Python block is
+saved as a module and imported (registering the method with its settings), and it goes through the same checks
+the registry walk and the schema walk apply to every shipped method."""
 
 import importlib.util
 import re
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from bench.registry import get_method
+from methods.registry import get_method
 from tests.helpers import (
     assert_greedy_equal_to_ar,
     assert_sampling_is_the_targets,
@@ -19,12 +19,11 @@ from tests.helpers import (
     repeating_prompt,
 )
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "adding-a-method.md"
 
 
 def blocks(language):
-    section = README.read_text().split("## Adding a method", 1)[1].split("\n## ", 1)[0]
-    return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)
+    return re.findall(rf"```{language}\n(.*?)```", PAGE.read_text(), flags=re.S)
 
 
 @pytest.fixture(scope="module")

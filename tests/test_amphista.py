@@ -8,10 +8,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from bench.errors import BenchError
+from core.errors import BenchError
 from decoding.sampling import Sampling
-from methods._amphista import AmphistaHeads
-from methods._heads import Heads
+from methods.heads._amphista import AmphistaHeads
+from methods.heads._heads import Heads
 from tests.helpers import assert_greedy_equal_to_ar, build, prompts_for
 
 

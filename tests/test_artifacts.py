@@ -1,4 +1,4 @@
-"""The one load-or-build cache (bench.artifacts) on tiny text artifacts: atomic builds, manifest checks,
+"""The one load-or-build cache (core.artifacts) on tiny text artifacts: atomic builds, manifest checks,
 rebuilds of broken artifacts, keys, and two processes asking for the same artifact at once."""
 
 import copy
@@ -12,8 +12,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from bench.artifacts import Artifact, load_or_build, model_fingerprint, report_of
-from bench.errors import BenchError
+from core.artifacts import Artifact, load_or_build, model_fingerprint, report_of
+from core.errors import BenchError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -115,7 +115,7 @@ def test_model_fingerprint_follows_the_weights_not_the_dtype(tiny_pair):
 TWO_PROCESSES = """
 import sys, time
 from pathlib import Path
-from bench.artifacts import Artifact, load_or_build
+from core.artifacts import Artifact, load_or_build
 cache, counter, ready, me = (Path(a) for a in sys.argv[1:])
 (ready / me).touch()
 while len(list(ready.iterdir())) < 2:

@@ -6,10 +6,10 @@ import logging
 
 import pytest
 
-from bench import inputs
 from bench.__main__ import main
-from bench.errors import BenchError
 from bench.results import previous_records
+from core import files
+from core.errors import BenchError
 from tests.test_study import _record, _write_run
 
 GOOD_QUESTION = {"question_id": 1, "category": "qa", "turns": ["Why is the sky blue?"]}
@@ -73,7 +73,7 @@ def question_file(tmp_path, kind):
 def test_bad_question_file(tmp_path, kind):
     path, needle = question_file(tmp_path, kind)
     with pytest.raises(BenchError, match="dataset file") as err:
-        inputs.read_question_file(str(path))
+        files.read_question_file(str(path))
     assert str(path) in str(err.value) and needle in str(err.value)
 
 
@@ -92,8 +92,8 @@ def test_good_question_file(tmp_path):
     path = tmp_path / "question.jsonl"
     ref = {"question_id": "x7", "category": "writing", "turns": ["a", "b"], "reference": ["r1", "r2"]}
     path.write_text(jsonl(GOOD_QUESTION) + "\n" + jsonl(ref), encoding="utf-8")  # a blank line is skipped
-    assert inputs.read_question_file(str(path)) == [GOOD_QUESTION, ref]
-    assert inputs.read_question_file(path.as_uri()) == [GOOD_QUESTION, ref]  # file:// URLs read through urllib
+    assert files.read_question_file(str(path)) == [GOOD_QUESTION, ref]
+    assert files.read_question_file(path.as_uri()) == [GOOD_QUESTION, ref]  # file:// URLs read through urllib
 
 
 # ------------------------------------------------------------------------------------------- model folders
@@ -154,14 +154,14 @@ def model_folder(tmp_path, kind):
 def test_bad_model_folder(tmp_path, kind):
     folder, needle = model_folder(tmp_path, kind)
     with pytest.raises(BenchError) as err:
-        inputs.check_model_folder(folder)
+        files.check_model_folder(folder)
     assert str(folder) in str(err.value) and needle in str(err.value)
 
 
 def test_unknown_model_type_names_supported_families(tmp_path):
     folder, _ = model_folder(tmp_path, "model_type_unknown")
     with pytest.raises(BenchError, match=r"it supports llama, gpt2, qwen2, mistral, gemma and \d+ more\.$"):
-        inputs.check_model_folder(folder)
+        files.check_model_folder(folder)
 
 
 @pytest.mark.parametrize("kind", sorted(BAD_MODEL_FOLDERS))
@@ -181,7 +181,7 @@ def test_good_model_folder_loads(tmp_path):
 
     folder = tmp_path / "model"
     _save_tiny_llama(folder)
-    inputs.check_model_folder(folder)
+    files.check_model_folder(folder)
     assert hub_model(str(folder), torch.float32).config.model_type == "llama"
 
 
@@ -199,8 +199,8 @@ def test_model_folder_without_tokenizer_cli(tmp_path, cache_dir, capsys):
 def test_looks_local(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "org" / "model").mkdir(parents=True)
-    assert all(map(inputs.looks_local, ["./m", "/abs/m", "~/m", "org/model"]))
-    assert not inputs.looks_local("HuggingFaceTB/SmolLM2-135M")
+    assert all(map(files.looks_local, ["./m", "/abs/m", "~/m", "org/model"]))
+    assert not files.looks_local("HuggingFaceTB/SmolLM2-135M")
 
 
 # ------------------------------------------------------------------------------------------- results
@@ -270,10 +270,10 @@ def test_bad_results_every_command(tmp_path, capsys, command):
 def test_good_results(tmp_path, capsys):
     run = tmp_path / "run"
     _write_run(run, _good_records())
-    assert inputs.read_results_file(run / "records.jsonl") == _good_records()
-    assert inputs.read_run_json(run)["status"] == "complete"
+    assert files.read_results_file(run / "records.jsonl") == _good_records()
+    assert files.read_run_json(run)["status"] == "complete"
     (run / "run.json").unlink()  # provenance is optional
-    assert inputs.read_run_json(run) is None
+    assert files.read_run_json(run) is None
     code, err = cli(["table", str(run), "--out", str(tmp_path / "out")], capsys)
     assert code == 0 and not err
 
@@ -282,8 +282,8 @@ def test_unfinished_run_beside_finished_ones_is_skipped_with_a_warning(tmp_path,
     _write_run(tmp_path / "sweep" / "done", _good_records())
     _write_run(tmp_path / "sweep" / "killed", _good_records())
     (tmp_path / "sweep" / "killed" / "records.jsonl").rename(tmp_path / "sweep" / "killed" / "records.partial.jsonl")
-    with caplog.at_level(logging.WARNING, logger="bench.inputs"):
-        assert inputs.record_files(tmp_path / "sweep") == [tmp_path / "sweep" / "done" / "records.jsonl"]
+    with caplog.at_level(logging.WARNING, logger="core.files"):
+        assert files.record_files(tmp_path / "sweep") == [tmp_path / "sweep" / "done" / "records.jsonl"]
     assert "skipping unfinished run" in caplog.text and "killed" in caplog.text
 
 

@@ -3,9 +3,9 @@
 import torch
 from transformers import DynamicCache
 
-from bench.registry import get_method
 from decoding.sampling import Sampling
 from methods.base import Decoding
+from methods.registry import get_method
 from tests.helpers import method_cfg
 
 

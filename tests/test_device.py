@@ -12,7 +12,7 @@ The same walk on a real GPU, with numbers, is ``tests/test_gpu.py`` (marked ``gp
 import pytest
 import torch
 
-from bench.registry import get_method, known_methods
+from methods.registry import get_method, known_methods
 from tests.helpers import build, prompts_for, run
 
 

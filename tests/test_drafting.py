@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.errors import BenchError
-from bench.registry import get_method
 from bench.validate import validate
+from core.errors import BenchError
 from decoding.ngram import BigramTable, CorpusNGrams, NGramIndex, load_corpus_ngrams
+from methods.registry import get_method
 from tests.helpers import (
     build,
     decode,

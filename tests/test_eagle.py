@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from bench.errors import BenchError
+from core.errors import BenchError
 from methods.eagle import Eagle
 from tests.helpers import (
     assert_greedy_equal_to_ar,

@@ -5,7 +5,7 @@ import copy
 
 import pytest
 
-from bench.counting import CountedLM
+from core.counting import CountedLM
 from tests.helpers import decode, prompts_for
 
 

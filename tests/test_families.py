@@ -23,8 +23,8 @@ two prompts, 16 new tokens.
 
 import pytest
 
-from bench.errors import BenchError
-from bench.registry import get_method, known_methods
+from core.errors import BenchError
+from methods.registry import get_method, known_methods
 from tests.helpers import (
     assert_greedy_equal_to_ar,
     build,
@@ -68,8 +68,8 @@ def family_pair(compose_cfg):
 def refusal(name, family, compose_cfg):
     """The sentence ``method=name`` refuses ``pair=tiny_<family>`` with (``None``: it takes the pair)."""
     from bench.models import PairSettings
-    from bench.schema import check
     from bench.validate import plain
+    from core.schema import check
 
     cls = get_method(name)
     pair = check(PairSettings, plain(compose_cfg(f"pair=tiny_{family}"))["pair"], "pair")
@@ -108,12 +108,12 @@ def test_every_method_on_every_family(name, family, family_pair, compose_cfg):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_draft_of_all_the_targets_layers_is_the_target(family, family_pair):
-    """decoding/distill.py's draft built through bench.adapter from every layer of the target (and the whole
+    """training/distill.py's draft built through core.model_parts from every layer of the target (and the whole
     vocabulary) computes the target's own logits: the embeddings (GPT-2's position table too), layers, final
     norm and head all came across."""
     import torch
 
-    from decoding.distill import draft_from_target
+    from training.distill import draft_from_target
 
     pair, _, prompts = family_pair(family)
     target = pair.target.module
@@ -125,8 +125,8 @@ def test_a_draft_of_all_the_targets_layers_is_the_target(family, family_pair):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_distilled_draft_of_the_family_is_greedy_equal_to_ar(family, compose_cfg):
-    """The harness-distilled draft (decoding/distill.py: the target's own embeddings, layers, final norm and
-    head rows, through bench.adapter) on each family, run by ``sd``."""
+    """The harness-distilled draft (training/distill.py: the target's own embeddings, layers, final norm and
+    head rows, through core.model_parts) on each family, run by ``sd``."""
     from bench.models import load_pair
 
     pair = load_pair(compose_cfg(f"pair=tiny_{family}", "pair.drafts=[{source: distilled, recipe: {layers: [0, 2]}}]"))
@@ -187,7 +187,7 @@ def local_folder(path, family, **config):
     return str(path)
 
 
-UNREADABLE = {  # families whose layout bench.adapter does not know: OPT (model.decoder.layers), Mamba (no attention)
+UNREADABLE = {  # families whose layout core.model_parts does not know: OPT (model.decoder.layers), Mamba (no attention)
     "opt": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64, word_embed_proj_dim=32),
     "mamba": dict(hidden_size=32, num_hidden_layers=2, state_size=4),
 }
@@ -228,7 +228,7 @@ def test_a_local_folder_of_an_untested_family_with_a_known_layout_runs(compose_c
 def test_a_local_folder_whose_config_transformers_cannot_build_is_one_sentence(tmp_path):
     import json
 
-    from bench.adapter import check_folder_family
+    from core.model_parts import check_folder_family
 
     folder = local_folder(tmp_path / "qwen3", "qwen3", hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                           num_key_value_heads=1, intermediate_size=64, head_dim=16)

@@ -11,7 +11,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from bench.counting import CountedLM
+from core.counting import CountedLM
 
 
 def _measured(lm, ids, cache, **kw):
@@ -59,7 +59,7 @@ def test_logits_to_keep_is_accounted():
 def test_prefix_layer_formula_matches_flop_counter(name):
     """Hydra++'s prefix layer (one decoder layer over hidden states, with its own cache) is counted by the
     same formula: its prefill and a later multi-token step agree with torch's count."""
-    from methods._heads import CountedPrefix, PrefixLayer
+    from methods.heads._heads import CountedPrefix, PrefixLayer
 
     layer = CountedPrefix(PrefixLayer.from_target(_models()[name]).eval())
     cache = DynamicCache()

@@ -10,9 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import DynamicCache
 
-from bench.errors import BenchError
-from decoding import teacher
-from decoding.teacher import RECIPES, Teacher
+from core.errors import BenchError
 from methods._glide_draft import GlideDraft, decode_visible, visible_keys
 from methods.glide import Glide
 from tests.helpers import (
@@ -22,6 +20,8 @@ from tests.helpers import (
     prompts_for,
     run,
 )
+from training import teacher
+from training.teacher import RECIPES, Teacher
 
 
 @pytest.fixture()
@@ -59,7 +59,7 @@ def test_the_kv_extra_is_the_targets_cache_built_once(tiny_pair, tmp_path, kv_bu
     rows = [0, 5, len(kv) - 1]  # text and answers rows (answers are right-padded: causal, so padding changes nothing)
     ids = kv.store.rows(rows, ("ids",))["ids"]
     with torch.no_grad():
-        cache = target(ids, use_cache=True).past_key_values
+        cache = target(ids, use_cache=True).cache
     got = kv.rows(rows)
     for layer in (2, 0):
         if layer == 0:
@@ -113,7 +113,7 @@ def test_training_sees_the_target_as_decoding_does(tiny_pair, phase):
     ids = torch.randint(3, 250, (1, 23))
     T, block = ids.shape[1], 4
     with torch.no_grad():
-        cache = target(ids, use_cache=True).past_key_values.layers[-1]
+        cache = target(ids, use_cache=True).cache.layers[-1]
         emb, positions = target.get_input_embeddings()(ids), torch.arange(T)
         full = draft(emb, positions, cache.keys, cache.values, visible_keys(positions, T, block, phase)[None])
         mine, fed = DynamicCache(), 0
@@ -182,7 +182,7 @@ def test_the_draft_cache_keeps_only_what_was_committed(pair, looping_prompt, mon
     assert len(looping_prompt) < n <= len(seq) - 1
     fresh, target = DynamicCache(), pair.target.module
     with torch.no_grad():
-        kv = target(torch.tensor([seq[:n]]), use_cache=True).past_key_values.layers[-1]
+        kv = target(torch.tensor([seq[:n]]), use_cache=True).cache.layers[-1]
         method.draft.module(method.embed(torch.tensor([seq[:n]])), torch.arange(n), kv.keys, kv.values, None, fresh)
     torch.testing.assert_close(method.cache.layers[0].keys, fresh.layers[0].keys, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(method.cache.layers[0].values, fresh.layers[0].values, atol=1e-4, rtol=1e-4)

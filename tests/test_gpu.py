@@ -22,7 +22,7 @@ import os
 import pytest
 import torch
 
-from bench.registry import get_method, known_methods
+from methods.registry import get_method, known_methods
 from tests.helpers import assert_greedy_equal_to_ar, build, prompts_for, run
 from tests.test_families import REFUSED
 
@@ -54,7 +54,7 @@ def on_device(compose_cfg, tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_pair_is_on_the_device_without_packed_kernels(dtype, on_device):
-    from bench.kernels import PackedLinear
+    from core.kernels import PackedLinear
 
     pair, _ = on_device("tiny", dtype)
     assert pair.device.type == torch.device(DEVICE).type and pair.dtype == getattr(torch, dtype)
@@ -109,7 +109,7 @@ def test_a_distilled_draft_trains_on_the_device(compose_cfg, tmp_path, monkeypat
     """A missing distilled draft is trained beside the fp32 target on the run's device, then cast to the run's
     dtype; under ``sd`` it is ``ar``'s output (fp32)."""
     from bench.models import load_pair
-    from decoding import distill
+    from training import distill
 
     seen = []
     real = distill.train_draft

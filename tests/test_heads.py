@@ -7,9 +7,9 @@ import torch
 from omegaconf import OmegaConf
 from transformers import DynamicCache
 
-from bench.errors import BenchError
-from bench.registry import get_method
+from core.errors import BenchError
 from decoding.sampling import Sampling
+from methods.registry import get_method
 from tests.helpers import decode, prompts_for
 from tests.helpers import method_cfg as shipped_cfg
 
@@ -19,7 +19,7 @@ HEAD_METHODS = ["medusa", "hydra", "hydra_pp"]
 
 def smoke(cache):
     """The smoke recipe's teacher, its stores and trained parts under ``cache``."""
-    from decoding.teacher import RECIPES, Teacher
+    from training.teacher import RECIPES, Teacher
 
     return Teacher(RECIPES["smoke"], cache)
 
@@ -102,7 +102,7 @@ def test_prefix_layer_is_counted_as_its_own_role(pair):
 
 
 def test_untrained_prefix_layer_is_the_identity(tiny_pair):
-    from methods._heads import PrefixLayer
+    from methods.heads._heads import PrefixLayer
 
     layer = PrefixLayer.from_target(tiny_pair.target.module)
     hidden = torch.randn(2, 7, 64)
@@ -113,7 +113,7 @@ def test_untrained_prefix_layer_is_the_identity(tiny_pair):
 
 
 def test_prefix_layer_cache_equals_the_whole_sequence_at_once(tiny_pair):
-    from methods._heads import PrefixLayer
+    from methods.heads._heads import PrefixLayer
 
     torch.manual_seed(0)
     layer = PrefixLayer.from_target(tiny_pair.target.module).eval()
@@ -183,7 +183,7 @@ def test_bad_settings_raise_one_sentence(compose_cfg, over, words):
 
 
 def test_corrupt_heads_cache_is_retrained_or_one_sentence(tmp_path, tiny_pair):
-    from methods._heads import heads_artifact, load_or_train_heads
+    from methods.heads._train import heads_artifact, load_or_train_heads
 
     recipe = OmegaConf.create(method_cfg("medusa")["recipe"])
     target, tok = tiny_pair.target.module, tiny_pair.tokenizer
@@ -205,7 +205,7 @@ def write_foreign_heads(folder, blob):
     only loading it can tell that it does not fit."""
     import json
 
-    from bench.artifacts import file_sha256
+    from core.artifacts import file_sha256
 
     folder.mkdir(parents=True, exist_ok=True)
     torch.save(blob, folder / "heads.pt")
@@ -216,7 +216,8 @@ def write_foreign_heads(folder, blob):
 def test_heads_cache_without_the_recipes_prefix_layer_is_retrained_or_one_sentence(tmp_path, tiny_pair):
     """A heads file that lacks (or carries a broken) prefix layer the recipe asks for: one sentence naming the
     folder, no traceback; retrained when building is allowed."""
-    from methods._heads import Heads, PrefixLayer, heads_artifact, load_or_train_heads
+    from methods.heads._heads import Heads, PrefixLayer
+    from methods.heads._train import heads_artifact, load_or_train_heads
 
     target, tok = tiny_pair.target.module, tiny_pair.tokenizer
     recipe = OmegaConf.create(method_cfg("hydra_pp")["recipe"])
@@ -245,7 +246,7 @@ def test_typical_acceptance_breaks_ties_by_likelihood():
     """Two equally deep paths both stand: the one the target finds more likely wins (Medusa's
     evaluate_posterior), not the first in breadth-first order."""
     from decoding.tree import Tree
-    from methods._tree_heads import typical_path
+    from methods.heads._tree_heads import typical_path
 
     tree = Tree.from_paths([[0], [1]]).fill([0, 1, 2])  # root, then tokens 1 and 2 as siblings
     logits = torch.full((3, 5), -10.0)

@@ -1,4 +1,4 @@
-"""bench.kernels: the row-count-dependent CPU linear gives F.linear's numbers and changes nothing else."""
+"""core.kernels: the row-count-dependent CPU linear gives F.linear's numbers and changes nothing else."""
 
 import copy
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from bench.flops import matmul_weights
-from bench.kernels import PackedLinear, pack_linears
+from core.flops import matmul_weights
+from core.kernels import PackedLinear, pack_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is not available")
 

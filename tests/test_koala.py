@@ -5,9 +5,9 @@ towards the target, the base methods' cached parts keep their keys, and bad inpu
 import pytest
 import torch
 
-from bench.artifacts import recipe_key
-from methods._adversarial import Adversary, AdversaryRecipe
+from core.artifacts import recipe_key
 from methods._eagle_draft import eagle_artifact
+from methods.heads._adversarial import Adversary, AdversaryRecipe
 from tests.helpers import (
     assert_greedy_equal_to_ar,
     assert_sampling_is_the_targets,

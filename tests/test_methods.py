@@ -14,8 +14,8 @@ import json
 
 import pytest
 
-from bench.registry import get_method, known_methods
 from decoding.sampling import Sampling
+from methods.registry import get_method, known_methods
 from tests.helpers import (
     assert_greedy_equal_to_ar,
     assert_sampling_is_the_targets,
@@ -38,7 +38,7 @@ def test_every_registered_method_is_a_config_option():
     """A method's settings are declared in its file and stored for Hydra from there: the registry is the list
     of ``method=`` options (a method registered later in the process, e.g. the README's example, included)."""
     from bench.cli import choices
-    from bench.registry import known_methods
+    from methods.registry import known_methods
 
     assert set(METHODS) <= set(known_methods()) == set(choices("method"))
 

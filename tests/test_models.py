@@ -4,10 +4,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from bench.errors import BenchError
 from bench.models import load_pair
-from decoding.distill import draft_from_target
+from core.errors import BenchError
 from tests.helpers import decode, prompts_for
+from training.distill import draft_from_target
 
 
 def test_hub_pair_loads_from_local_folders(tiny_pair, compose_cfg, tmp_path):
@@ -101,7 +101,7 @@ def test_distilled_draft_trains_caches_and_is_lossless(distilled_cfg):
 
 
 def test_corrupt_draft_cache_is_rebuilt_or_one_clear_error(distilled_cfg):
-    from decoding.distill import draft_artifact, draft_report
+    from training.distill import draft_artifact, draft_report
 
     pair = load_pair(distilled_cfg)
     recipe = pair.spec.drafts[0].recipe  # as load_pair checked it, defaults filled in
@@ -123,7 +123,8 @@ def test_corrupt_draft_cache_is_rebuilt_or_one_clear_error(distilled_cfg):
 def test_answer_weight_weighs_positions_and_keys_only_when_set(distilled_cfg):
     """recipe.answer_weight scales the loss of answer positions (a weight of 0 drops a position as if unlabelled);
     left at 1 it leaves the draft's key as it was before the setting existed."""
-    from decoding.distill import distill_loss, draft_artifact, sub_index
+    from training.distill import distill_loss, draft_artifact
+    from training.kit import sub_index
 
     pair = load_pair(distilled_cfg)
     draft, target = pair.draft.module, pair.target.module

@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-from bench.errors import BenchError
-from decoding.corpus import lee_articles
+from core.corpus import lee_articles
+from core.errors import BenchError
 from tests.helpers import build, noisy_copy, run
 from tests.test_bad_files import assert_one_sentence, cli
 
@@ -142,7 +142,7 @@ def test_a_missing_datastore_is_one_sentence_and_writes_nothing(tmp_path, capsys
 
 
 def test_a_datastore_of_another_target_or_tokenizer_is_refused(nest, tiny_pair, tmp_path):
-    from bench.counting import CountedLM
+    from core.counting import CountedLM
 
     folder = nest.store.folder
     assert build(tiny_pair, "nest", datastore=str(folder), **NEWS).store.report["keys"] == nest.store.report["keys"]

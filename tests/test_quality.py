@@ -50,10 +50,10 @@ def test_perplexity_matches_a_step_by_step_computation_and_is_not_counted(tiny_p
     target = tiny_pair.target
     cache, nll = DynamicCache(), 0.0
     with torch.inference_mode():
-        logits = target.module(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[0, -1]
+        logits = target.module(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True).logits[0, -1]
         for tok in output:
             nll -= float(torch.log_softmax(logits.float(), -1)[tok])
-            logits = target.module(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = target.module(input_ids=torch.tensor([[tok]]), cache=cache, use_cache=True).logits[0, -1]
     tiny_pair.reset_counts()
     assert quality.perplexity(tiny_pair, prompt, output) == pytest.approx(math.exp(nll / 3), rel=1e-4)
     assert tiny_pair.target.calls == 0
@@ -105,9 +105,9 @@ def test_top2_margin_and_divergence_on_the_tiny_pair(tiny_pair):
     prompt, prefix = [5, 6, 7, 8], [9, 10, 11]
     cache = DynamicCache()
     with torch.inference_mode():
-        logits = tiny_pair.target.module(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[0, -1]
+        logits = tiny_pair.target.module(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True).logits[0, -1]
         for tok in prefix:
-            logits = tiny_pair.target.module(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = tiny_pair.target.module(input_ids=torch.tensor([[tok]]), cache=cache, use_cache=True).logits[0, -1]
     top = torch.topk(logits.float(), 2).values
     tiny_pair.reset_counts()
     margin = quality.top2_margin(tiny_pair, prompt + prefix)
@@ -123,7 +123,7 @@ def test_top2_margin_and_divergence_on_the_tiny_pair(tiny_pair):
 
 
 def test_tie_eps_and_first_difference():
-    from bench import metrics
+    from core import metrics
 
     assert metrics.tie_eps(torch.float32) == 1e-3 and metrics.tie_eps(torch.bfloat16) == 0.25
     assert metrics.tie_eps("float16") == 0.25 and metrics.tie_eps(torch.float64) == 1e-3

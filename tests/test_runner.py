@@ -38,7 +38,7 @@ def test_a_method_and_its_baseline_count_their_own_parts(compose_cfg, tmp_path):
 
 def test_declared_settings_inherit():
     """hydra_pp's settings extend hydra's declaration (a subclass): its own recipe defaults, hydra's tree."""
-    from bench.registry import get_method
+    from methods.registry import get_method
 
     hpp = get_method("hydra_pp").settings({})
     assert hpp.name == "hydra_pp" and hpp.recipe.loss == "teacher" and hpp.recipe.prefix_layer

@@ -9,9 +9,9 @@ import pytest
 
 from bench.__main__ import main
 from bench.cli import compose, show_main, sweep_jobs
-from bench.registry import get_method, known_methods
-from bench.schema import Settings, bounds, describe_type, rows
 from bench.validate import RunSettings, checked
+from core.schema import Settings, bounds, describe_type, rows
+from methods.registry import get_method, known_methods
 
 TINY = ["pair=tiny", "dataset.n_prompts=1", "max_new_tokens=2"]
 
@@ -136,7 +136,7 @@ def test_cross_node_and_structural_errors(args, needle, capsys):
 
 def test_a_category_no_prompt_has_is_refused():
     from bench.data import load_prompts
-    from bench.errors import BenchError
+    from core.errors import BenchError
 
     cfg = compose(["dataset.categories=[qa,nosuch]"]).dataset
     with pytest.raises(BenchError, match="dataset.categories names 'nosuch', which no prompt has; this dataset's "
@@ -178,23 +178,29 @@ def test_describe_type_reads_the_declaration():
 
 
 def test_the_readme_names_every_method():
-    """The README's row of the ``method`` group lists every shipped method (it is written by hand; methods
-    registered from elsewhere, like the README's own example, are not shipped)."""
+    """The README's method table has a row for every shipped method, and so does the ``method`` row of the config
+    groups in docs/configuration.md (both are written by hand; methods registered from elsewhere, like the docs'
+    own example, are not shipped)."""
     from pathlib import Path
 
-    from bench.registry import get_method, known_methods
+    from methods.registry import get_method, known_methods
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    row = next(line for line in readme.splitlines() if line.startswith("| `method` |"))
+    root = Path(__file__).resolve().parent.parent
+    table = (root / "README.md").read_text().split("\n## Methods\n", 1)[1].split("\n## ", 1)[0]
+    rows = {line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| `")}
+    groups = (root / "docs" / "configuration.md").read_text()
+    row = next(line for line in groups.splitlines() if line.startswith("| `method` |"))
     shipped = [name for name in known_methods() if get_method(name).__module__.startswith("methods.")]
-    assert len(shipped) >= 13 and [name for name in shipped if f"`{name}`" not in row] == []
+    assert len(shipped) >= 13 and [name for name in shipped if f"`{name}`" not in rows] == []
+    assert [name for name in shipped if f"`{name}`" not in row] == []
 
 
-def test_the_readme_table_is_shows_output(capsys):
-    """The README's table of top-level settings is what ``python -m bench show`` prints: it cannot drift."""
+def test_the_settings_table_in_the_docs_is_shows_output(capsys):
+    """The table of top-level settings in docs/configuration.md is what ``python -m bench show`` prints: it cannot
+    drift."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    table = readme.split("<!-- python -m bench show -->\n", 1)[1].split("\n<!-- end show -->", 1)[0]
+    page = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    table = page.split("<!-- python -m bench show -->\n", 1)[1].split("\n<!-- end show -->", 1)[0]
     show_main([])
     assert table.strip() in capsys.readouterr().out

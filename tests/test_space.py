@@ -10,12 +10,12 @@ import torch
 from omegaconf import OmegaConf
 from transformers import DynamicCache
 
-from bench.errors import BenchError
-from decoding.teacher import RECIPES, Teacher
+from core.errors import BenchError
 from decoding.tree import score_tree
 from methods._space import group_logits, row_cache, train_space
 from methods.space import MASK, Space, layout
 from tests.helpers import assert_greedy_equal_to_ar, build, prompts_for, run
+from training.teacher import RECIPES, Teacher
 
 
 @pytest.fixture()

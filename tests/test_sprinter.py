@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.errors import BenchError
+from core.errors import BenchError
 from tests.helpers import decode, prompts_for
 
 # A verifier small enough for seconds on 2 cores (tiny random models; the smoke recipe: 4k training positions).
@@ -48,7 +48,7 @@ def test_training_reports_and_caches(tiny_pair):
 
 def test_a_retrained_draft_gets_its_own_verifier(tiny_pair):
     """Same recipe, other draft weights: the verifier cache key must change (it depends on the weights)."""
-    from bench.counting import CountedLM
+    from core.counting import CountedLM
     from methods._sprinter_verifier import verifier_dir
 
     recipe = sprinter(tiny_pair).cfg.verifier
@@ -151,7 +151,7 @@ def test_max_run_is_respected_and_tokens_add_up(tiny_pair):
 def test_perfect_draft_never_flagged_still_equals_ar(tiny_pair):
     """With a draft identical to the target, unchecked tokens are the target's own: output equals AR and
     every run is max_run tokens plus a bonus."""
-    from bench.counting import CountedLM
+    from core.counting import CountedLM
 
     pair = copy.copy(tiny_pair)
     pair.drafts = [CountedLM(tiny_pair.target.module, "draft")]

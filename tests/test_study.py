@@ -18,8 +18,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from bench.data import Prompt, encode, load_prompts, select
-from bench.errors import BenchError
 from bench.results import read_records
+from core.errors import BenchError
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
@@ -94,7 +94,7 @@ def test_gsm8k_references_are_final_answers_and_budget(compose_cfg, tiny_pair):
 
 
 def test_news_is_lee_test_articles(compose_cfg, tiny_pair):
-    from decoding.corpus import lee_articles
+    from core.corpus import lee_articles
 
     cfg = compose_cfg("dataset=news", "dataset.n_prompts=null")
     prompts = load_prompts(cfg.dataset, seed=0)

@@ -7,9 +7,9 @@ import math
 import pandas as pd
 import pytest
 
-from bench import metrics
 from bench.study import load
 from bench.summary import display_table, summary_table
+from core import metrics
 from tests.test_study import _record, _write_run
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from bench.adapter import decoder_layers, skipping
-from bench.errors import BenchError
+from core.errors import BenchError
+from core.model_parts import decoder_layers, skipping
 from methods._swift import SkippingLM, SkipSearch, SkipSet
 from methods.swift import Swift
 from tests.helpers import (
@@ -48,7 +48,7 @@ def test_skipping_drops_exactly_those_sublayers(pair):
     assert type(layer.mlp).__name__ != "Skipped"  # swapped back
     cache = DynamicCache()
     with torch.no_grad(), skipping(model, [1], []):
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, cache=cache, use_cache=True)
     assert [lay.get_seq_length() for lay in cache.layers] == [ids.shape[1], 0, ids.shape[1]]
 
 
@@ -108,7 +108,7 @@ def test_bad_skip_sets_are_refused(pair, overrides, match):
 
 
 def test_an_explicit_set_needs_search_off():
-    from bench.registry import get_method
+    from methods.registry import get_method
 
     with pytest.raises(BenchError, match="method.search=off"):
         get_method("swift").check_settings({"attn_skip": [1]})
@@ -126,11 +126,11 @@ def test_skip_flops_formula(pair):
 
 
 def test_gpt2_layers_are_skipped_too(pair):
-    """GPT-2 keeps its layers in transformer.h and its attention in attn (bench/adapter.py): a random GPT-2 target
+    """GPT-2 keeps its layers in transformer.h and its attention in attn (core/model_parts.py): a random GPT-2 target
     drafts for itself, online search included, and stays greedy-equal to ar."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from bench.counting import CountedLM
+    from core.counting import CountedLM
 
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=pair.target.module.config.vocab_size, n_embd=64, n_layer=4, n_head=4,

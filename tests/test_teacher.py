@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from bench.errors import BenchError
-from decoding import teacher
-from decoding.teacher import StoreSettings, load_or_grow_store, shard_kinds
+from core.errors import BenchError
+from training import teacher
+from training.teacher import StoreSettings, load_or_grow_store, shard_kinds
 
 SMALL = dict(seq_len=32, shard_sequences=4, answers=1 / 3, answer_tokens=8, answer_batch=4, corpus="lee", topk=5,
              batch_size=4)
@@ -150,7 +150,7 @@ def test_every_trainer_reads_the_store_and_labels_nothing_itself(compose_cfg, tm
     from omegaconf import OmegaConf
 
     from bench.models import load_pair
-    from bench.registry import get_method
+    from methods.registry import get_method
 
     cfg = compose_cfg("pair=tiny", f"cache_dir={tmp_path}")
     cfg.pair.drafts = [OmegaConf.create({"source": "distilled", "recipe": {"layers": [0], "vocab": 64}})]
@@ -200,7 +200,7 @@ def test_mixed_instructions_cover_the_benchmarks_kinds_without_its_prompts():
     """``recipe.store.instructions=mixed``: packaged-text tasks two in five, then advice, explanations and word
     problems; the splits share nothing, and no instruction trained on is one of the default prompts."""
     from bench.data import builtin_prompts
-    from decoding.corpus import CONVERSATION, GOALS, QA, TOPICS, instruction_prompts
+    from core.corpus import CONVERSATION, GOALS, QA, TOPICS, instruction_prompts
 
     train, test = (instruction_prompts(10**6, 0, split, "mixed") for split in ("train", "test"))
     assert not set(train) & set(test)
@@ -230,10 +230,10 @@ def test_the_default_instructions_leave_run_keys_and_recipe_labels_as_they_were(
     and an overridden recipe's label are those of a config without ``instructions``; ``mixed`` changes both."""
     from omegaconf import OmegaConf
 
-    from bench.artifacts import content_key
     from bench.results import run_key
     from bench.validate import validate
-    from decoding.teacher import RecipeSettings
+    from core.artifacts import content_key
+    from training.teacher import RecipeSettings
 
     cfg = validate(compose_cfg("method=medusa"))
     before = OmegaConf.to_container(cfg, resolve=True)

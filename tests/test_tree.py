@@ -6,7 +6,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import DynamicCache
 
-from bench.errors import BenchError
+from core.errors import BenchError
 from decoding.sampling import Sampling, probs_from_logits
 from decoding.tree import Tree, keep_path, score_tree
 from decoding.verify import verify_tree

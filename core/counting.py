@@ -1,0 +1,72 @@
+"""Counting wrappers: every forward pass of every model goes through one of these, tagged with its role.
+
+Methods call the wrapper exactly as they would call the model; the harness reads and resets the counts.
+A method never counts for itself, so calls, tokens and FLOPs are comparable across methods.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from core.flops import FlopFormula
+
+
+class Counted:
+    """Calls, scored tokens and analytic FLOPs of one role (target, draft, heads, verifier, ...)."""
+
+    def __init__(self, module: nn.Module, role: str, config=None):
+        self.module = module
+        self.role = role
+        self.formula = FlopFormula(module, config)
+        self.reset()
+
+    def reset(self) -> None:
+        self.calls = 0  # forward passes
+        self.tokens = 0  # query positions scored, summed over the batch
+        self.flops = 0.0  # analytic forward FLOPs (core.flops)
+
+    def stats(self) -> dict:
+        return {"calls": self.calls, "tokens": self.tokens, "flops": self.flops}
+
+    def _count(self, batch: int, new_tokens: int, kv_len: int) -> None:
+        self.calls += 1
+        self.tokens += batch * new_tokens
+        self.flops += batch * self.formula(new_tokens, kv_len)
+
+
+class CountedLM(Counted):
+    """A causal LM with a KV cache. ``lm(input_ids, cache, **kw)`` returns the model's output object.
+
+    ``input_ids``: ``LongTensor`` of shape ``(batch, new_tokens)``; ``cache`` is a transformers ``Cache``
+    holding the earlier positions (it is extended in place).
+    """
+
+    def __init__(self, module: nn.Module, role: str):
+        super().__init__(module, role, getattr(module, "config", None))
+        self.config = getattr(module, "config", None)
+        head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+        head = head if head is not None else getattr(module, "head", None)
+        self.head_weights = head.weight.numel() if head is not None else 0
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    def __call__(self, input_ids: torch.Tensor, cache, **kwargs):
+        batch, new_tokens = input_ids.shape
+        past = cache.get_seq_length() if cache is not None else 0
+        self._count(batch, new_tokens, past + new_tokens)
+        keep = kwargs.get("logits_to_keep", 0)
+        if isinstance(keep, int) and 0 < keep < new_tokens:
+            # Only the last `keep` positions go through the output head (a prefill needs just one).
+            self.flops -= 2 * self.head_weights * batch * (new_tokens - keep)
+        return self.module(input_ids=input_ids, cache=cache, use_cache=cache is not None, **kwargs)
+
+
+class CountedModule(Counted):
+    """A small module (draft heads, a verifier) applied to hidden states of shape ``(..., hidden)``."""
+
+    def __call__(self, hidden: torch.Tensor, *args, **kwargs):
+        self._count(1, hidden.shape[:-1].numel(), 0)
+        return self.module(hidden, *args, **kwargs)

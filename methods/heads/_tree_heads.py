@@ -1,0 +1,213 @@
+"""The loop Medusa and Hydra share: heads propose a tree, the target verifies it in ONE forward.
+
+Each step the heads read the target's last hidden state at the last committed position and fill the
+method's candidate tree shape (:class:`decoding.tree.Tree` from rank paths) rooted at the pending token; the
+shared loop (:class:`methods.base.DraftVerify`) scores every node under a tree attention mask, keeps the
+accepted path's KV entries, and the hidden state of the path's last node feeds the next step's heads. With
+``recipe.prefix_layer`` (Hydra++) the path's hidden states go through the prefix layer first
+(:meth:`TreeHeadsMethod.heads_input`), which keeps a KV cache of its own over the committed positions; it is
+the counted role ``prefix``; Amphista's staged adaptation layers (``methods/heads/amphista.py``) take its place and
+also read the token after each position. Either way the target runs once per step.
+
+- Greedy: the longest path of the target's own argmax choices: equal to ``ar`` token for token.
+- Sampling: recursive rejection sampling over each node's children (:func:`decoding.verify.verify_tree`;
+  the candidates are a head's top-k, deterministic, so one-hot q): distributed exactly as the target's.
+- ``typical: true`` with ``temperature > 0``: Medusa's typical acceptance (:func:`typical_path`) instead --
+  LOSSY (:meth:`~TreeHeadsMethod.is_lossless` says so, and records carry ``extra.typical``). At temperature 0
+  typical acceptance is the greedy rule, and lossless.
+
+Subclasses (``methods/heads/medusa.py``, ``methods/heads/hydra.py``, ``methods/heads/amphista.py``) set ``kind`` and implement
+:meth:`fill`.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field, NonNegativeInt, model_validator
+from transformers import DynamicCache
+
+from core.errors import BenchError
+from decoding.sampling import Sampling, probs_from_logits, sample
+from decoding.tree import Tree
+from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.heads._heads import KINDS, CountedHeads, CountedPrefix, HeadsRecipe
+from methods.heads._train import load_or_train_heads
+from training.kit import check_store_keeps_hidden
+
+# Medusa's default sparse tree shape, as rank paths: 19 candidates + the root = 20 tokens scored per target
+# call, depth 4.
+DEFAULT_TREE = [[0], [1], [2], [3],
+                [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0],
+                [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 0, 2],
+                [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [0, 1, 0, 0]]
+
+
+class TreeHeadsSettings(MethodSettings):
+    """Settings of Medusa, Hydra and Hydra++ (``method.*``)."""
+
+    tree: list[list[NonNegativeInt]] = Field(
+        default_factory=lambda: [list(p) for p in DEFAULT_TREE], min_length=1,
+        description="candidate tree as rank paths: [r1, ..., rd] = the r_d-th best proposal of head d-1 under "
+        "the path [r1 .. r_{d-1}]; the root (the target's own next token) is implicit; every path's prefix "
+        "must be listed too")
+    typical: bool = Field(False, description="Medusa's typical acceptance when temperature > 0: LOSSY "
+                          "(records say so)")
+    posterior_threshold: float = Field(0.09, gt=0, le=1, description="typical acceptance: epsilon, a hard floor "
+                                       "on p_target(candidate)")
+    posterior_alpha: float = Field(0.3, gt=0, le=1, description="typical acceptance: delta, scales "
+                                   "exp(-entropy of the target's distribution)")
+    recipe: HeadsRecipe = Field(default_factory=HeadsRecipe, description="how the heads are trained")
+
+    @model_validator(mode="after")
+    def tree_fits_heads(self):
+        """Every path's prefix is listed, and the tree is no deeper than there are heads."""
+        try:
+            depth = Tree.from_paths(self.tree).max_depth
+        except BenchError as err:
+            raise ValueError(str(err)) from None
+        if depth > self.recipe.num_heads:
+            raise ValueError(f"tree is {depth} deep but there are only {self.recipe.num_heads} heads "
+                             "(recipe.num_heads).")
+        return self
+
+
+def typical_path(tree: Tree, logits: torch.Tensor, sampling: Sampling, generator, threshold: float,
+                 alpha: float) -> tuple[list[int], int]:
+    """Medusa's typical acceptance (Cai et al. 2024, Sec. 2.3.1) -- LOSSY: node x after parent p stands when
+    ``p_target(x | p) > min(threshold, alpha * exp(-H(p_target(. | p))))``; the deepest node whose whole
+    path stands wins -- among equally deep ones, the path the target finds most likely (the sum of its tokens'
+    log-probabilities, as the authors' ``evaluate_posterior`` breaks ties) -- and the next token is sampled from
+    the target at that node."""
+    probs = probs_from_logits(logits, sampling)  # (n, vocab)
+    entropy = -(probs * probs.clamp_min(1e-20).log()).sum(-1)  # (n,)
+    bar = torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
+    parent = torch.tensor(tree.parent[1:], device=logits.device)
+    tokens = torch.tensor(tree.tokens[1:], device=logits.device)
+    p_node = probs[parent, tokens].cpu()  # (n - 1,): p_target(node's token | its parent)
+    ok = torch.ones(len(tree), dtype=torch.bool)
+    ok[1:] = p_node > bar[parent].cpu()
+    ancestry = tree.ancestry()  # (n, n): [i, j] when j is on the path to i
+    ok_path = (~ancestry | ok[None, :]).all(-1)  # every node on the path stands
+    depth = torch.where(ok_path, torch.tensor(tree.depth), -1)
+    logp = torch.zeros(len(tree))
+    logp[1:] = p_node.clamp_min(1e-20).log()
+    path_logp = ancestry.float() @ logp  # (n,): log-likelihood of the path to each node
+    deepest = depth == depth.max()
+    best = int(torch.where(deepest, path_logp, float("-inf")).argmax())
+    return tree.path_to(best), int(sample(probs[best], generator))
+
+
+class TreeHeadsMethod(DraftVerify):
+    kind = "?"
+    Config = TreeHeadsSettings
+    hidden = True  # the heads read the target's last hidden states
+
+    def __init__(self, cfg, pair):
+        super().__init__(cfg, pair)
+        self.shape = Tree.from_paths(self.cfg.tree)
+        self.shapes = {d: self.shape.prune(d) for d in range(self.shape.max_depth + 1)}  # pruned near the budget
+        self.report: dict = {}
+        self.heads: CountedHeads | None = None
+        self.prefix: CountedPrefix | None = None
+
+    @classmethod
+    def trains(cls, pair_spec) -> bool:
+        return True  # the heads
+
+    @classmethod
+    def check_recipe(cls, settings, recipe) -> None:
+        check_store_keeps_hidden(cls.name, recipe)
+        K = settings.recipe.num_heads
+        if recipe.store.seq_len <= K + 1:
+            raise BenchError(f"recipe.store.seq_len ({recipe.store.seq_len}) must exceed method.recipe.num_heads + 1 "
+                             f"({K + 1}): head k learns from the token k + 2 positions ahead.")
+
+    def is_lossless(self, sampling) -> bool:
+        # Typical acceptance keeps tokens the target would not have sampled; at temperature 0 it is the greedy rule.
+        return not (self.cfg.typical and not sampling.greedy)
+
+    def setup(self, train_if_missing: bool = True) -> None:
+        if self.kind not in KINDS:
+            raise BenchError(f"unknown heads kind '{self.kind}'; use one of {', '.join(KINDS)}.")
+        target = self.pair.target.module
+        heads, prefix, self.report = load_or_train_heads(target, self.pair.tokenizer, self.kind, self.cfg.recipe,
+                                                         self.pair.teacher, train_if_missing, method=self.name)
+        if heads.num_heads < self.shape.max_depth or heads.blocks[0].linear.out_features != target.config.hidden_size:
+            raise BenchError(f"the cached {self.kind} heads do not fit this target and tree; delete them to retrain.")
+        self.add_roles(heads.to(device=self.pair.device, dtype=self.pair.dtype),
+                       prefix.to(device=self.pair.device, dtype=self.pair.dtype) if prefix is not None else None)
+        self.embed = target.get_input_embeddings()
+
+    def add_roles(self, heads, prefix) -> None:
+        """Register the trained parts as roles, so the harness counts their calls and FLOPs like any model's."""
+        self.heads = self.pair.add(CountedHeads(heads, "heads"))
+        if prefix is not None:
+            self.prefix = self.pair.add(CountedPrefix(prefix, "prefix"))
+
+    def new_memory(self):
+        """The caches of whatever the heads' input runs over the committed positions, fresh for one decode: the
+        prefix layer's KV cache (``None`` without one)."""
+        return DynamicCache() if self.prefix is not None else None
+
+    def heads_input(self, hiddens: torch.Tensor, next_ids: list[int], memory) -> torch.Tensor:
+        """What the heads read once the target has committed more positions.
+
+        Args:
+            hiddens: ``(n, hidden)`` the target's last hidden states at the n positions committed since the
+                last call, in order: the prompt after the prefill, the accepted path (root first) after a step.
+            next_ids: the n tokens after those positions (the last is the pending token).
+            memory: :meth:`new_memory`'s caches for this decode; extended by these n positions, so no position
+                is ever fed twice.
+        Returns:
+            ``(hidden,)``: the target's hidden state at the last committed position, or the prefix layer's
+            output there.
+        """
+        if self.prefix is None:
+            return hiddens[-1]
+        return self.prefix(hiddens.unsqueeze(0), memory)[0, -1]
+
+    def fill(self, hidden: torch.Tensor, pending: int, shape: Tree) -> Tree:
+        """``shape`` with its tokens proposed by the heads.
+
+        Args:
+            hidden: the heads' input at the last committed position (:meth:`heads_input`): ``(hidden,)``, or
+                Amphista's ``(stages, hidden)``.
+            pending: the target's token after it (the root).
+        """
+        raise NotImplementedError
+
+    def start(self, st: Decoding) -> None:
+        if self.heads is None:
+            self.setup(train_if_missing=False)
+        self.memory = self.new_memory()
+        self.unread = st.prompt_hidden  # fed to heads_input at the first proposal, once the pending token is known
+        self.typical = bool(self.cfg.typical) and not st.sampling.greedy
+        self.nodes: list[int] = []
+
+    def propose(self, st: Decoding) -> Draft:
+        if self.unread is not None:
+            self.input = self.heads_input(self.unread, st.seq[-len(self.unread):], self.memory)
+            self.unread = None
+        shape = self.shapes[min(st.room, self.shape.max_depth)]
+        tree = self.fill(self.input, st.seq[-1], shape) if len(shape) > 1 else Tree(st.seq[-1])
+        self.nodes.append(len(tree))
+        return Draft(tree)
+
+    def verify(self, st: Decoding, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
+        if self.typical:
+            return typical_path(draft.tree, logits, st.sampling, st.generator, float(self.cfg.posterior_threshold),
+                                float(self.cfg.posterior_alpha))
+        return super().verify(st, draft, logits)
+
+    def accepted(self, st: Decoding, draft: Draft, path: list[int], hidden: torch.Tensor) -> None:
+        self.unread = hidden  # the heads' input for the next step, read when it proposes (never after the last)
+
+    def figures(self, st: Decoding) -> dict:
+        extra = {
+            "tree_size": len(self.shape),  # tokens the target scores per call (root included), before budget pruning
+            "tree_tokens_per_call": sum(self.nodes) / len(self.nodes) if self.nodes else float("nan"),  # as scored
+            "verify": "greedy" if st.sampling.greedy else ("typical" if self.typical else "tree"),
+        }
+        if self.cfg.typical:
+            extra["typical"] = True  # lossy when sampling: outputs are not distributed as the target's
+        return extra

@@ -1,0 +1,241 @@
+"""A draft made by the harness: a few of the target's own layers with its embedding and final norm, and an
+output head over a reduced drafting vocabulary, distilled to match the target's next-token distribution.
+
+Why this design (measured on 2 CPU cores, SmolLM2-135M, fp32): a forward of one token through the target
+costs ~65 ms, of which ~9 ms is the 49,152-way output head and ~1.8 ms each of the 30 layers. A draft of
+a few layers with the full head would spend most of its time in the head, so it drafts over the V most
+frequent tokens only (8,192 by default: ~1/6 of the head's cost). The draft's logits are scattered back
+into the full vocabulary (-inf elsewhere), so verification stays exactly lossless: greedily the target
+just rejects a token the draft cannot propose, and for sampling q(x) = 0 outside the subset, which the
+rejection rule handles exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from pydantic import Field, NonNegativeInt
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from core.artifacts import (
+    Artifact,
+    load_or_build,
+    model_fingerprint,
+    recipe_key,
+    report_of,
+)
+from core.errors import BenchError
+from core.model_parts import copy_from
+from training.kit import store_data, store_vocab, sub_index
+from training.loop import TrainRecipe, fit
+from training.teacher import Teacher, tokenizer_key
+
+log = logging.getLogger(__name__)
+
+
+class DistillRecipe(TrainRecipe):
+    """How a draft is distilled from the target (cached under cache_dir/drafts/, keyed by the target, this
+    recipe and the run's training recipe: how many teacher tokens, how many epochs)."""
+
+    layers: list[NonNegativeInt] = Field([0, 1, 2, 3], min_length=1, description="which target layers the draft "
+                                         "starts from (renumbered 0..k-1)")
+    vocab: int = Field(8192, ge=1, description="drafting vocabulary: the most frequent tokens (verification stays "
+                       "lossless)")
+    batch_size: int = Field(8, ge=1, description="sequences per training step")
+    lr: float = Field(5.0e-4, gt=0, description="AdamW learning rate")
+    answer_weight: float = Field(1.0, ge=0, description="loss weight of positions followed by a token of the "
+                                 "target's own answer (the contexts greedy SD drafts in) against 1 for the rest")
+
+
+class DraftLM(PreTrainedModel, GenerationMixin):
+    """A small causal LM with a reduced output vocabulary; its logits come back over the full vocabulary.
+
+    ``forward(input_ids (B, T), cache, ...)`` returns ``logits`` of shape ``(B, T, full_vocab)``
+    (``-inf`` outside ``vocab_map``) and ``hidden_states = (last_hidden (B, T, hidden),)``. It is a
+    Hugging Face ``PreTrainedModel`` with ``generate``, so transformers' own assisted generation can use it
+    as ``assistant_model`` (the benchmark script compares against that).
+    """
+
+    _supports_sdpa = True
+    _can_compile_fullgraph = False
+
+    def __init__(self, config, vocab_map: torch.Tensor):
+        super().__init__(config)
+        from transformers import AutoModel
+
+        self.body = AutoModel.from_config(config)
+        self.head = nn.Linear(config.hidden_size, vocab_map.numel(), bias=False)
+        self.register_buffer("vocab_map", vocab_map.long(), persistent=True)
+
+    def sub_logits(self, input_ids, cache=None, use_cache=False, **kwargs):
+        """Logits over the drafting vocabulary only: ``(B, T, len(vocab_map))``, and the last hidden state."""
+        out = self.body(input_ids=input_ids, cache=cache, use_cache=use_cache, **kwargs)
+        hidden = out.last_hidden_state
+        return self.head(hidden), hidden
+
+    def get_input_embeddings(self):
+        return self.body.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids, cache=None, use_cache=False, output_hidden_states=False,
+                logits_to_keep: int = 0, **kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("return_dict", "output_attentions")}
+        out = self.body(input_ids=input_ids, cache=cache, use_cache=use_cache, **kwargs)
+        hidden = out.last_hidden_state
+        sub = self.head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+        logits = sub.new_full((*sub.shape[:-1], self.config.vocab_size), float("-inf"))
+        logits[..., self.vocab_map] = sub
+        return CausalLMOutputWithPast(logits=logits, cache=out.cache, hidden_states=(hidden,))
+
+
+def draft_from_target(target, layers: list[int], vocab_map: torch.Tensor) -> DraftLM:
+    """Initialise a draft from the target: its embeddings (token, and GPT-2's positions), the chosen layers
+    (renumbered), final norm and head rows."""
+    n_layer = target.config.num_hidden_layers
+    bad = [i for i in layers if not 0 <= i < n_layer and not -n_layer <= i < 0]
+    if bad or not layers:
+        raise BenchError(f"draft layers {list(layers)} are not layers of a {n_layer}-layer target.")
+    config = target.config.__class__.from_dict(target.config.to_dict())
+    config.num_hidden_layers = len(layers)
+    for attr in ("layer_types",):  # per-layer lists must shrink with the layer count
+        if getattr(config, attr, None) is not None:
+            setattr(config, attr, [getattr(config, attr)[i] for i in layers])
+    draft = DraftLM(config, vocab_map)
+    # Every family alike (core.model_parts): GPT-2's wte, wpe and ln_f as Llama's embed_tokens and norm.
+    copy_from(draft.body, target, [i % n_layer for i in layers])
+    draft.head.weight.data.copy_(target.get_output_embeddings().weight.data[vocab_map])
+    return draft
+
+
+def distill_loss(draft: DraftLM, x, idx, prob, to_sub, weight=None):
+    """Cross-entropy of the draft against the target's top-k distribution, restricted to the draft vocab.
+
+    ``x``: ``(B, T)`` token ids; ``idx`` / ``prob``: ``(B, T, k)`` the target's top-k at each position, with
+    ``prob`` all zero where a position has no label (prompt text, padding); ``weight``: ``(B, T)`` each
+    position's weight in the mean (default 1).
+    """
+    sub_logits, _ = draft.sub_logits(x)
+    logq = torch.log_softmax(sub_logits.float(), -1)
+    sub_idx = to_sub[idx]  # (B, T, k); -1 where the target's token is outside the drafting vocabulary
+    w = prob * (sub_idx >= 0)
+    mass = w.sum(-1, keepdim=True)
+    labelled = (mass.squeeze(-1) > 0).float()
+    if weight is not None:
+        labelled = labelled * weight
+    w = w / mass.clamp_min(1e-9)
+    per_pos = -(w * logq.gather(-1, sub_idx.clamp_min(0))).sum(-1)
+    return (per_pos * labelled).sum() / labelled.sum().clamp_min(1e-9)  # weights below 1 must not be clamped
+
+
+@torch.no_grad()
+def agreement(draft: DraftLM, data: dict, batch_size: int, rows=None) -> float:
+    """Fraction of labelled positions of ``data`` (a store's ``ids``, ``idx``, ``mask``) where the draft's greedy
+    token is the target's: the acceptance rate greedy SD sees at a drafted position whose prefix matched.
+    ``rows``: which sequences (default all)."""
+    rows = torch.arange(len(data["ids"])) if rows is None else torch.as_tensor(rows)
+    device = draft.vocab_map.device
+    hits = total = 0
+    for part in rows.split(batch_size):
+        sub, _ = draft.sub_logits(data["ids"][part].to(device))
+        mask = data["mask"][part].to(device)
+        hits += (draft.vocab_map[sub.argmax(-1)] == data["idx"][part][..., 0].to(device))[mask].sum().item()
+        total += mask.sum().item()
+    return round(hits / total, 4) if total else float("nan")
+
+
+def train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tuple[DraftLM, dict]:
+    """Distil a draft from the frozen target on the teacher store (packaged text and the target's own answers,
+    interleaved at random); returns the draft and its training report (held-out agreement, by kind of text)."""
+    torch.manual_seed(int(recipe.seed))
+    target = target.float().eval()
+    train = store_data(teacher.store(target, tokenizer, "train"), ("ids", "idx", "prob", "mask", "answer"))
+    held_store = teacher.store(target, tokenizer, "test")
+    held = store_data(held_store, ("ids", "idx", "mask", "answer"))
+    m = train["mask"]
+    vocab_map = store_vocab(tokenizer, train, int(recipe.vocab), target.config.vocab_size)
+    device = next(target.parameters()).device  # trained where the target is (the run's device)
+    to_sub = sub_index(vocab_map, target.config.vocab_size)
+    train["prob"] = train["prob"] * m.unsqueeze(-1)  # padding is no label
+    # Answer positions weigh answer_weight, the rest 1 (the mean is over the weights, so only the ratio counts).
+    train["weight"] = 1.0 + (float(recipe.get("answer_weight", 1.0)) - 1.0) * train.pop("answer").float()
+
+    draft = draft_from_target(target, list(recipe.layers), vocab_map).to(device)
+    on = to_sub.to(device)
+    bs = int(recipe.batch_size)
+    report = {"agreement_before": agreement(draft, held, bs)}
+    draft.get_input_embeddings().weight.requires_grad_(False)  # the input embedding stays the target's
+    params = [p for p in draft.parameters() if p.requires_grad]
+    draft.train()
+    fit(params, lambda: torch.randperm(len(train["ids"])).split(bs),
+        lambda b: distill_loss(draft, *(train[f][b].to(device) for f in ("ids", "idx", "prob")), on,
+                                 train["weight"][b].to(device)),
+        epochs=int(teacher.recipe.draft_epochs), steps_per_epoch=math.ceil(len(train["ids"]) / bs),
+        lr=float(recipe.lr), desc="draft: distilling")
+    draft.eval()
+    answers = [i for i in range(len(held["ids"])) if held_store.kind(i) == "answers"]
+    report.update(
+        agreement_after=agreement(draft, held, bs),
+        # On the target's own held-out answer rows (the prompt's end, then the answer), and on the answer's tokens
+        # alone: the positions greedy SD drafts for, what its acceptance α follows.
+        answer_agreement=agreement(draft, held, bs, answers) if answers else None,
+        answer_token_agreement=agreement(draft, {**held, "mask": held["mask"] & held["answer"]}, bs, answers)
+        if answers else None,
+        recipe=teacher.recipe.name,
+        train_tokens=int(m.sum()),
+        heldout_tokens=int(held["mask"].sum()),
+        vocab=int(vocab_map.numel()),
+        vocab_coverage=round(float((to_sub[held["idx"][..., 0][held["mask"]]] >= 0).float().mean()), 4),
+    )
+    return draft.cpu(), report
+
+
+def draft_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher, device=None) -> Artifact:
+    """The distilled draft of (target, recipe, the run's training recipe) as a cached artifact: ``draft.pt``
+    (config and weights).
+
+    Keyed by the target's weights, not its path: the same target found elsewhere keeps its draft.
+    """
+    ident = model_fingerprint(target)
+
+    def build(folder: Path) -> dict:
+        # Trained beside the fp32 target on ``device`` (the run's: the GPU, when there is one), which goes back
+        # where it was after: only a draft that must be trained costs the fp32 target's memory there.
+        home = next(target.parameters()).device
+        try:
+            draft, report = train_draft(target.to(device or home), tokenizer, recipe, teacher)
+        finally:
+            target.to(home)
+        torch.save({"config": draft.config.to_dict(), "state": draft.state_dict()}, folder / "draft.pt")
+        return report
+
+    def load(folder: Path) -> DraftLM:
+        blob = torch.load(folder / "draft.pt", map_location="cpu", weights_only=True)
+        draft = DraftLM(target.config.__class__.from_dict(blob["config"]), blob["state"]["vocab_map"])
+        draft.load_state_dict(blob["state"])
+        return draft.eval()
+
+    key = {"target": ident, "recipe": recipe_key(recipe, answer_weight=1.0), "teacher": teacher.recipe.budget("draft"),
+           **tokenizer_key(tokenizer)}
+    return Artifact("drafts", ident["name"], key, build, load,
+                    hint="run 'python -m bench train draft' with the same pair= and recipe= settings",
+                    description="distilled draft")
+
+
+def load_or_train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher, device=None) -> DraftLM:
+    """The cached draft for (target, recipe, teacher.recipe), trained first (on ``device``; default: where the
+    target is) when missing and the teacher may build (``train_if_missing``)."""
+    return load_or_build(draft_artifact(target, tokenizer, recipe, teacher, device), teacher.cache,
+                         teacher.build_if_missing)
+
+
+def draft_report(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> dict:
+    """The training report of the cached draft for (target, recipe, teacher.recipe) ({} when there is none)."""
+    return report_of(draft_artifact(target, tokenizer, recipe, teacher), teacher.cache)
