@@ -95,6 +95,30 @@ def read_records(path: Path) -> list[dict]:
     return out
 
 
+# The trained parts whose passes a run recipe held as its own fields (``draft_epochs``, ...) until each part declared
+# its own (issue 29); run keys made then hashed them, so they still do, under those names.
+LEGACY_PARTS = ("draft", "heads", "verifier", "eagle", "glide", "space")
+
+
+def legacy_epochs(recipe_name: str) -> dict[str, int]:
+    """The passes of each part of :data:`LEGACY_PARTS` under the run recipe ``recipe_name``, as run keys name them."""
+    from methods.registry import known_methods
+    from training.kit import PARTS
+
+    known_methods()  # every method imported: every part has declared its epochs
+    return {f"{name}_epochs": PARTS[name].EPOCHS.get(recipe_name, PARTS[name].EPOCHS["quick"]) for name in LEGACY_PARTS}
+
+
+def _without_unset_epochs(node):
+    """``node`` without the ``epochs: null`` of trained parts' settings (added by issue 29: unset, a part trains as
+    before, so run keys made before stay valid)."""
+    if isinstance(node, dict):
+        return {k: _without_unset_epochs(v) for k, v in node.items() if not (k == "epochs" and v is None)}
+    if isinstance(node, list):
+        return [_without_unset_epochs(v) for v in node]
+    return node
+
+
 def run_key(method_cfg: dict, cfg: DictConfig, prompt_id: str, trained: bool = False) -> str:
     """A stable id of one decode's settings: same key, same measurement to make (a resumed run keeps it).
 
@@ -106,8 +130,8 @@ def run_key(method_cfg: dict, cfg: DictConfig, prompt_id: str, trained: bool = F
     for key in ("n_prompts", "categories"):
         dataset.pop(key, None)
     parts = {
-        "method": method_cfg,
-        "pair": OmegaConf.to_container(cfg.pair, resolve=True),
+        "method": _without_unset_epochs(method_cfg),
+        "pair": _without_unset_epochs(OmegaConf.to_container(cfg.pair, resolve=True)),
         "dataset": dataset,
         "prompt_id": prompt_id,
         "temperature": float(cfg.temperature),
@@ -121,7 +145,7 @@ def run_key(method_cfg: dict, cfg: DictConfig, prompt_id: str, trained: bool = F
         recipe = OmegaConf.to_container(cfg.recipe, resolve=True)
         if recipe.get("store") is not None:  # as the store's own keys see it
             recipe["store"] = store_key(recipe["store"])
-        parts["recipe"] = recipe
+        parts["recipe"] = {**recipe, **legacy_epochs(recipe.get("name", "quick"))}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 

@@ -26,7 +26,6 @@ Where this differs from the paper, and why (the README's table says it too):
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
@@ -37,20 +36,33 @@ from torch import nn
 from core.artifacts import (
     Artifact,
     load_or_build,
-    recipe_key,
     report_of,
 )
 from core.counting import Counted
 from core.model_parts import body_config, copy_last_layers
 from methods.heads._adversarial import Adversary, AdversaryRecipe
-from training.kit import feature_stores, fp32_eval, module_artifact, store_data, store_vocab
-from training.loop import TrainRecipe, fit
+from training.kit import (
+    budget,
+    epochs,
+    feature_stores,
+    fit_and_measure,
+    fp32_eval,
+    module_artifact,
+    part_key,
+    store_data,
+    store_vocab,
+    trained_part,
+)
+from training.loop import TrainRecipe
 from training.teacher import Teacher, tokenizer_key
 
 
+@trained_part("eagle")
 class EagleRecipe(TrainRecipe):
     """How EAGLE's draft layer is trained (cached under cache_dir/eagle/, keyed by the target, this recipe, the
     tokenizer and the run's training recipe)."""
+
+    EPOCHS = {"smoke": 1, "quick": 6, "full": 8}  # the paper: 20
 
     lr: float = Field(2.0e-3, gt=0, description="AdamW learning rate (one-cycle schedule)")
     vocab: int = Field(8192, ge=1, description="the draft proposes from the most frequent stored tokens only "
@@ -145,24 +157,18 @@ def eagle_loss(draft: EagleDraft, batch: dict, embed, recipe, adversary: Adversa
     return loss
 
 
-@torch.no_grad()
-def eagle_agreement(draft: EagleDraft, store, embed, batch_size: int, rows=None, device=None,
-                    answer_only: bool = False) -> float:
-    """Fraction of the store's positions (``rows``: those sequences only; ``answer_only``: those whose label is
-    the target's own answer token) where the draft's greedy token from (f_t, x_{t+1}) equals the target's greedy
-    token after t + 1: the acceptance of a depth-1 draft token."""
-    hits = total = 0
-    rows = list(range(len(store))) if rows is None else list(rows)
-    for part in torch.tensor(rows, dtype=torch.long).split(batch_size):
-        b = {n: t.to(device) for n, t in store.rows(part, ("ids", "idx", "mask", "hidden", "answer")).items()}
+def eagle_judge(draft: EagleDraft, store, embed, device=None):
+    """:func:`training.kit.agreement`'s judge for EAGLE's draft: is its greedy token from (f_t, x_{t+1}) the
+    target's greedy token after t + 1 (the acceptance of a depth-1 draft token)?"""
+
+    def judge(rows: torch.Tensor) -> list[tuple]:
+        b = {n: t.to(device) for n, t in store.rows(rows, ("ids", "idx", "mask", "hidden", "answer")).items()}
         guess = draft(b["hidden"][:, :-1].float(), embed(b["ids"][:, 1:]))
-        pred = draft.vocab_map[draft.head(guess).argmax(-1)]
-        keep = b["mask"][:, :-1] & b["mask"][:, 1:]
-        if answer_only:
-            keep = keep & b["answer"][:, 1:]
-        hits += (pred == b["idx"][:, 1:, 0])[keep].sum().item()
-        total += keep.sum().item()
-    return round(hits / max(total, 1), 4)
+        hit = draft.vocab_map[draft.head(guess).argmax(-1)] == b["idx"][:, 1:, 0]
+        counted = b["mask"][:, :-1] & b["mask"][:, 1:]
+        return [(hit, counted, counted & b["answer"][:, 1:])]
+
+    return judge
 
 
 def train_eagle(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tuple[EagleDraft, dict]:
@@ -180,26 +186,18 @@ def train_eagle(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
     adversarial = recipe.get("adversarial")
     adversary = Adversary(len(vocab_map), AdversaryRecipe(**adversarial), device) if adversarial else None
     embed = target.get_input_embeddings()
-    bs = int(recipe.batch_size)
-    answers = [i for i in range(len(held)) if held.kind(i) == "answers"]
-    report = {"agreement_before": eagle_agreement(draft, held, embed, bs, device=device)}
-    params = [p for p in draft.parameters() if p.requires_grad]
-    draft.train()
 
     def step(rows: torch.Tensor) -> torch.Tensor:
         batch = {n: t.to(device) for n, t in train.rows(rows, ("ids", "mask", "hidden")).items()}
         return eagle_loss(draft, batch, embed, recipe, adversary)
 
     what = "the draft layer" if layers == 1 else f"the draft's {layers} layers"
-    fit(params, lambda: torch.randperm(len(train)).split(bs), step, epochs=int(teacher.recipe.eagle_epochs),
-        steps_per_epoch=math.ceil(len(train) / bs), lr=float(recipe.lr),
+    report = fit_and_measure(
+        [draft], step, examples=len(train), judge=lambda: eagle_judge(draft, held, embed, device), held=len(held),
+        answer_rows=[i for i in range(len(held)) if held.kind(i) == "answers"],
+        epochs=epochs("eagle", recipe, teacher), batch_size=int(recipe.batch_size), lr=float(recipe.lr),
         desc=f"eagle: training {what}" + (" against a discriminator" if adversary is not None else ""))
-    draft.eval()
     report.update(
-        agreement_after=eagle_agreement(draft, held, embed, bs, device=device),
-        # On the target's own held-out answers: the kind of text a greedy decode drafts for.
-        answer_agreement=eagle_agreement(draft, held, embed, bs, answers, device) if answers else None,
-        answer_token_agreement=eagle_agreement(draft, held, embed, bs, answers, device, True) if answers else None,
         layers=layers,
         **(adversary.report() if adversary is not None else {}),
         recipe=teacher.recipe.name,
@@ -215,8 +213,8 @@ def train_eagle(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
 def eagle_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher, method: str = "eagle") -> Artifact:
     """EAGLE's draft of (target, recipe, tokenizer, the run's training recipe) as a cached artifact: ``eagle.pt``.
     ``method``: what the hint to train it names (``koala method.base=eagle`` trains a KOALA draft here too)."""
-    key = {"recipe": recipe_key(recipe, layers=1, adversarial=None), "teacher": teacher.recipe.budget("eagle"),
-           **tokenizer_key(tokenizer)}
+    key = {"recipe": part_key(recipe, layers=1, adversarial=None),
+           "teacher": budget(teacher, epochs("eagle", recipe, teacher)), **tokenizer_key(tokenizer)}
     return module_artifact("eagle", target, key, lambda: train_eagle(target, tokenizer, recipe, teacher),
                           lambda vocab_map, layers: EagleDraft(target.config, vocab_map, layers),
                           hint=f"run 'python -m bench train method method={method}' with the same recipe=",

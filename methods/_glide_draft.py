@@ -49,7 +49,6 @@ Where this differs from the paper, and why:
 from __future__ import annotations
 
 import copy
-import math
 import sys
 from typing import Literal
 
@@ -62,23 +61,37 @@ from torch.nn.functional import scaled_dot_product_attention
 from core.artifacts import (
     Artifact,
     load_or_build,
-    recipe_key,
     report_of,
 )
 from core.counting import Counted
 from core.errors import BenchError
 from core.model_parts import body_config, copy_last_layers, decoder_layers
 from decoding.tree import additive_mask
-from training.kit import fp32_eval, module_artifact, store_data, store_vocab, sub_index
-from training.loop import TrainRecipe, fit
+from training.kit import (
+    agreement,
+    budget,
+    epochs,
+    fit_and_measure,
+    fp32_eval,
+    module_artifact,
+    part_key,
+    store_data,
+    store_vocab,
+    sub_index,
+    trained_part,
+)
+from training.loop import TrainRecipe
 from training.teacher import Teacher, kv_layer, tokenizer_key
 
 BLOCK_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
 
+@trained_part("glide")
 class GlideRecipe(TrainRecipe):
     """How GliDe's draft is trained (cached under cache_dir/glide/, keyed by the target, this recipe, the tokenizer
     and the run's training recipe)."""
+
+    EPOCHS = {"smoke": 1, "quick": 2, "full": 2}
 
     lr: float = Field(2.0e-3, gt=0, description="AdamW learning rate (one-cycle schedule)")
     vocab: int = Field(8192, ge=1, description="the draft proposes from the most frequent stored tokens only "
@@ -265,29 +278,24 @@ def glide_loss(draft: GlideDraft, batch: dict, embed, to_sub: torch.Tensor, bloc
     return soft_ce(logits, batch["idx"], batch["prob"] * batch["mask"][..., None], to_sub)
 
 
-@torch.no_grad()
-def glide_agreement(draft: GlideDraft, store, kv, embed, batch_size: int, offset: int = 0, rows=None,
-                    device=None, answer_only: bool = False) -> float:
-    """Fraction of the store's text positions t (``rows``: those sequences only; t > ``offset``) where the draft,
-    reading x_t and seeing the target's keys before t - ``offset``, proposes the target's greedy token: the view
-    of draft token ``offset + 1`` after a verification (x_{t-offset} pending), so the acceptance of that token
-    when the ones before it were right (exact for one block, whose self-attention does not read the
-    cross-attention; deeper drafts see their earlier rows under this view too). ``answer_only``: only positions
-    whose label is the target's own answer token."""
-    hits = total = 0
-    rows = list(range(len(store))) if rows is None else list(rows)
-    for part in torch.tensor(rows, dtype=torch.long).split(batch_size):
-        b = read_rows(store, kv, part, ("ids", "idx", "mask", "answer"), device)
+def glide_judge(draft: GlideDraft, store, kv, embed, offset: int = 0, device=None):
+    """:func:`training.kit.agreement`'s judge for GliDe's draft at the store's text positions t > ``offset``: does
+    the draft, reading x_t and seeing the target's keys before t - ``offset``, propose the target's greedy token?
+    That is the view of draft token ``offset + 1`` after a verification (x_{t-offset} pending), so the acceptance
+    of that token when the ones before it were right (exact for one block, whose self-attention does not read the
+    cross-attention; deeper drafts see their earlier rows under this view too)."""
+
+    def judge(rows: torch.Tensor) -> list[tuple]:
+        b = read_rows(store, kv, rows, ("ids", "idx", "mask", "answer"), device)
         T = b["ids"].shape[1]
         positions = torch.arange(T, device=device)
         visible = (torch.arange(T, device=device)[None] < (positions - offset)[:, None])[None]
-        pred = draft.vocab_map[draft.head(draft(embed(b["ids"]), positions, b["k"], b["v"], visible)).argmax(-1)]
-        keep = b["mask"] & (positions > offset)
-        if answer_only:
-            keep = keep & b["answer"]
-        hits += (pred == b["idx"][..., 0])[keep].sum().item()
-        total += keep.sum().item()
-    return round(hits / total, 4) if total else float("nan")
+        hit = draft.vocab_map[draft.head(draft(embed(b["ids"]), positions, b["k"], b["v"], visible)).argmax(-1)] \
+            == b["idx"][..., 0]
+        counted = b["mask"] & (positions > offset)
+        return [(hit, counted, counted & b["answer"])]
+
+    return judge
 
 
 def train_glide(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tuple[GlideDraft, dict]:
@@ -307,29 +315,22 @@ def train_glide(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
     draft = GlideDraft.from_target(target, vocab_map, str(recipe.init), int(recipe.layers), layer).to(device)
     embed = target.get_input_embeddings()
     bs, block = int(recipe.batch_size), int(recipe.block)
-    report = {"agreement_before": glide_agreement(draft, held, held_kv, embed, bs, device=device)}
-    params = [p for p in draft.parameters() if p.requires_grad]
-    draft.train()
 
     def step(rows: torch.Tensor) -> torch.Tensor:
         batch = read_rows(train, train_kv, rows, ("ids", "idx", "prob", "mask"), device)
         phase = int(torch.randint(block, ()))  # every alignment of the blocks, one per batch
         return glide_loss(draft, batch, embed, to_sub, block, phase)
 
-    fit(params, lambda: torch.randperm(len(train)).split(bs), step, epochs=int(teacher.recipe.glide_epochs),
-        steps_per_epoch=math.ceil(len(train) / bs), lr=float(recipe.lr), desc="glide: training the draft")
-    draft.eval()
     answers = [i for i in range(len(held)) if held.kind(i) == "answers"]
+    report = fit_and_measure(
+        [draft], step, examples=len(train), judge=lambda: glide_judge(draft, held, held_kv, embed, device=device),
+        held=len(held), answer_rows=answers, epochs=epochs("glide", recipe, teacher), batch_size=bs,
+        lr=float(recipe.lr), desc="glide: training the draft")
     labels = store_data(held, ("idx", "mask"))
-    # Draft token i + 1 when the ones before it were right (the view of position i of a block); i = 0 is the first.
-    by_offset = [glide_agreement(draft, held, held_kv, embed, bs, i, device=device) for i in range(block)]
     report.update(
-        agreement_after=by_offset[0],
-        # On the target's own held-out answers: the kind of text a greedy decode drafts for.
-        answer_agreement=glide_agreement(draft, held, held_kv, embed, bs, rows=answers, device=device) if answers else None,
-        answer_token_agreement=glide_agreement(draft, held, held_kv, embed, bs, rows=answers, device=device,
-                                               answer_only=True) if answers else None,
-        agreement_by_offset=by_offset,
+        # Draft token i + 1 when the ones before it were right (the view of position i of a block); i = 0 is the first.
+        agreement_by_offset=[agreement(glide_judge(draft, held, held_kv, embed, i, device), range(len(held)), bs)
+                             ["all"][0] for i in range(block)],
         layers=int(recipe.layers),
         layer=layer,
         block=block,
@@ -347,7 +348,8 @@ def train_glide(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
 
 def glide_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> Artifact:
     """GliDe's draft of (target, recipe, tokenizer, the run's training recipe) as a cached artifact: ``glide.pt``."""
-    key = {"recipe": recipe_key(recipe), "teacher": teacher.recipe.budget("glide"), **tokenizer_key(tokenizer)}
+    key = {"recipe": part_key(recipe), "teacher": budget(teacher, epochs("glide", recipe, teacher)),
+           **tokenizer_key(tokenizer)}
     return module_artifact("glide", target, key, lambda: train_glide(target, tokenizer, recipe, teacher),
                           lambda vocab_map, layers: GlideDraft(target.config, vocab_map, layers),
                           hint="run 'python -m bench train method method=glide' with the same recipe=",

@@ -31,9 +31,6 @@ Where this differs from the paper, and why:
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
-
 import torch
 from omegaconf import DictConfig
 from pydantic import Field
@@ -44,20 +41,22 @@ from core.artifacts import (
     Artifact,
     load_or_build,
     model_fingerprint,
-    recipe_key,
     report_of,
 )
 from decoding.cache import truncate_cache
-from training.kit import fp32_eval
-from training.loop import TrainRecipe, fit
+from training.kit import budget, epochs, fit_and_measure, fp32_eval, part_artifact, part_key, trained_part
+from training.loop import TrainRecipe
 from training.teacher import Teacher, TeacherStore, tokenizer_key
 
 FIELDS = ("ids", "mask", "idx", "prob")  # what training reads of the store (no hidden states)
 
 
+@trained_part("space")
 class SpaceRecipe(TrainRecipe):
     """How SPACE's mask embeddings are trained (cached under cache_dir/space/, keyed by the target, ``method.masks``,
     this recipe, the tokenizer and the run's training recipe)."""
+
+    EPOCHS = {"smoke": 2, "quick": 1, "full": 1}  # each a backward pass through the frozen target
 
     lr: float = Field(1.0e-2, gt=0, description="AdamW learning rate (one-cycle schedule): only k embedding "
                       "vectors learn, so a prompt-tuning rate")
@@ -170,21 +169,16 @@ def space_loss(target, emb: MaskEmbeddings, batch: dict, cuts_per_row: int, gene
     return (ce * w).sum() / w.sum().clamp_min(1)
 
 
-@torch.no_grad()
-def agreement(target, emb: MaskEmbeddings, store: TeacherStore, batch_size: int, cuts_per_row: int,
-              seed: int = 0) -> dict:
-    """Held-out top-1 agreement of each mask with the target: the fraction of cuts n where mask j's greedy
-    token equals the target's greedy token after x_{n+j} (the chance that candidate j is right given that the
-    ones before it were), at ``cuts_per_row`` seeded cuts per row; on all rows (``all``), on the target's own
-    answer rows (``answers``) and where mask j's label is an answer token (``answer_tokens``)."""
+def space_judge(target, emb: MaskEmbeddings, store: TeacherStore, cuts_per_row: int, seed: int = 0):
+    """:func:`training.kit.agreement`'s judge for SPACE's masks, one output per mask j: at ``cuts_per_row`` seeded
+    cuts n per row, is mask j's greedy token the target's greedy token after x_{n+j} (the chance that candidate
+    j is right given that the ones before it were)? Fresh per measurement: the cuts follow its own generator."""
     device = next(target.parameters()).device
     k = emb.masks
     gen = torch.Generator().manual_seed(seed)
-    hits = {"all": torch.zeros(k), "answers": torch.zeros(k), "answer_tokens": torch.zeros(k)}
-    total = {"all": torch.zeros(k), "answers": torch.zeros(k), "answer_tokens": torch.zeros(k)}
-    answers = torch.tensor([store.kind(i) == "answers" for i in range(len(store))])
-    for part in torch.arange(len(store)).split(batch_size):
-        batch = {n: t.to(device) for n, t in store.rows(part, (*FIELDS, "answer")).items()}
+
+    def judge(rows: torch.Tensor) -> list[tuple]:
+        batch = {n: t.to(device) for n, t in store.rows(rows, (*FIELDS, "answer")).items()}
         cuts, valid = random_cuts(batch["mask"].cpu(), k, cuts_per_row, gen)
         cuts, valid = cuts.to(device), valid.to(device)
         guess = group_logits(target, row_cache(target, batch["ids"]), cuts, emb().to(device)).argmax(-1)
@@ -192,12 +186,9 @@ def agreement(target, emb: MaskEmbeddings, store: TeacherStore, batch_size: int,
         # Mask j's label sits at cut + j: the answer-token figure counts it where that label is the answer's.
         on_answer = counted & answer_at(batch["answer"], cuts, k)
         hit = guess == labels_at(batch, cuts, k)[0][..., 0]  # (B, m, k)
-        for name, rows, where in (("all", slice(None), counted), ("answers", answers[part].to(device), counted),
-                                  ("answer_tokens", slice(None), on_answer)):
-            hits[name] += (hit & where)[rows].sum((0, 1)).float().cpu()
-            total[name] += where[rows].sum((0, 1)).float().cpu()
-    return {name: ([round(float(h), 4) for h in hits[name] / total[name]] if total[name].all() else None)
-            for name in hits}
+        return [(hit[..., j], counted[..., j], on_answer[..., j]) for j in range(k)]
+
+    return judge
 
 
 def answer_at(answer: torch.Tensor, cuts: torch.Tensor, masks: int) -> torch.Tensor:
@@ -235,19 +226,14 @@ def train_space(target, tokenizer, masks: int, recipe: DictConfig, teacher: Teac
     emb = MaskEmbeddings.from_target(target, masks, bool(recipe.shared)).to(device)
     bs, cuts = int(recipe.batch_size), int(recipe.cuts)
     with frozen(target):
-        report = {"agreement_before": agreement(target, emb, held, bs, cuts)["all"]}
-
-        def step(rows: torch.Tensor) -> torch.Tensor:
-            batch = {n: t.to(device) for n, t in train.rows(rows, FIELDS).items()}
-            return space_loss(target, emb, batch, cuts)
-
-        fit(list(emb.parameters()), lambda: torch.randperm(len(train)).split(bs), step,
-            epochs=int(teacher.recipe.space_epochs), steps_per_epoch=math.ceil(len(train) / bs), lr=float(recipe.lr),
+        report = fit_and_measure(
+            [emb], lambda rows: space_loss(target, emb, {n: t.to(device) for n, t in train.rows(rows, FIELDS).items()},
+                                           cuts),
+            examples=len(train), judge=lambda: space_judge(target, emb, held, cuts), held=len(held),
+            answer_rows=[i for i in range(len(held)) if held.kind(i) == "answers"],
+            epochs=epochs("space", recipe, teacher), batch_size=bs, lr=float(recipe.lr),
             desc=f"space: training {masks} mask embeddings through the frozen target")
-        after = agreement(target, emb, held, bs, cuts)
-    report.update(agreement_after=after["all"], answer_agreement=after["answers"],
-                  answer_token_agreement=after["answer_tokens"], masks=masks,
-                  recipe=teacher.recipe.name, train_tokens=int(train.tokens))
+    report.update(masks=masks, recipe=teacher.recipe.name, train_tokens=int(train.tokens))
     return emb.cpu().eval(), report
 
 
@@ -259,24 +245,20 @@ def space_artifact(target, tokenizer, masks: int, recipe: DictConfig, teacher: T
     ident = model_fingerprint(target)
     hidden = target.config.hidden_size
 
-    def build(folder: Path) -> dict:
-        emb, report = train_space(target, tokenizer, masks, recipe, teacher)
-        torch.save({"hidden": hidden, "masks": masks, "state": emb.state_dict()}, folder / "space.pt")
-        return report
-
-    def load(folder: Path) -> MaskEmbeddings:
-        blob = torch.load(folder / "space.pt", map_location="cpu", weights_only=True)
+    def load(blob: dict) -> MaskEmbeddings:
         if blob["hidden"] != hidden or blob["masks"] != masks:
             raise ValueError(f"it holds {blob['masks']} masks of size {blob['hidden']}, not {masks} of {hidden}")
         emb = MaskEmbeddings(masks, hidden, blob["state"]["weight"].shape[0] == 1 and masks > 1)
         emb.load_state_dict(blob["state"])
         return emb.eval()
 
-    key = {"target": ident, "masks": masks, "recipe": recipe_key(recipe), "teacher": teacher.recipe.budget("space"),
-           **tokenizer_key(tokenizer)}
-    return Artifact("space", f"space-{ident['name']}", key, build, load,
-                    hint="run 'python -m bench train method method=space' with the same recipe= and method.masks=",
-                    description="SPACE mask embeddings")
+    key = {"target": ident, "masks": masks, "recipe": part_key(recipe),
+           "teacher": budget(teacher, epochs("space", recipe, teacher)), **tokenizer_key(tokenizer)}
+    return part_artifact("space", f"space-{ident['name']}", key,
+                         lambda: train_space(target, tokenizer, masks, recipe, teacher),
+                         lambda emb: {"hidden": hidden, "masks": masks, "state": emb.state_dict()}, load, "space.pt",
+                         hint="run 'python -m bench train method method=space' with the same recipe= and method.masks=",
+                         description="SPACE mask embeddings")
 
 
 def load_or_train_space(target, tokenizer, masks: int, recipe: DictConfig, teacher: Teacher,

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from core.artifacts import Artifact, load_or_build, model_fingerprint, report_of
 from core.errors import BenchError
+from training.kit import budget, epochs, part_artifact, part_key, trained_part
 from training.loop import TrainRecipe, fit
 
 log = logging.getLogger(__name__)
@@ -33,9 +34,12 @@ Label = Literal["greedy", "sampling"]
 LABELS = get_args(Label)
 
 
+@trained_part("verifier")
 class VerifierRecipe(TrainRecipe):
-    """How SPRINTER's verifier is trained (its data and epochs: the run's recipe); the trained verifier is cached
-    per (target, draft, this recipe, the run's recipe)."""
+    """How SPRINTER's verifier is trained (its data: the run's recipe); the trained verifier is cached per (target,
+    draft, this recipe, the run's recipe)."""
+
+    EPOCHS = {"smoke": 2, "quick": 8, "full": 8}  # passes over its examples
 
     batch_size: int = Field(4, ge=1, description="sequences per draft forward when computing features")
     label: Label = Field("greedy", description="greedy: target argmax == draft token; sampling: q(x) <= p(x) "
@@ -187,7 +191,7 @@ def train_verifier(pair, recipe: DictConfig) -> tuple[Verifier, dict]:
     batch = int(recipe.train_batch)
     model.train()
     final_loss = fit(list(model.parameters()), lambda: torch.randperm(len(x)).split(batch),
-                     lambda b: loss_fn(model(x[b]), yf[b]), epochs=int(teacher.recipe.verifier_epochs),
+                     lambda b: loss_fn(model(x[b]), yf[b]), epochs=epochs("verifier", recipe, teacher),
                      steps_per_epoch=math.ceil(len(x) / batch), lr=float(recipe.lr),
                      weight_decay=float(recipe.weight_decay), one_cycle=False, clip=None, desc="verifier: training")
     model.eval()
@@ -195,7 +199,8 @@ def train_verifier(pair, recipe: DictConfig) -> tuple[Verifier, dict]:
         scores = torch.sigmoid(model(xh)).numpy()
     report = classification_report(scores, yh.numpy())
     report.update(train_examples=len(x), heldout_examples=len(xh), train_accept_rate=n_pos / max(len(y), 1),
-                  features=int(x.shape[1]), width=int(recipe.width), final_loss=final_loss, recipe=teacher.recipe.name)
+                  features=int(x.shape[1]), width=int(recipe.width), final_loss=final_loss, recipe=teacher.recipe.name,
+                  epochs=epochs("verifier", recipe, teacher))
     return model, report
 
 
@@ -206,21 +211,18 @@ def verifier_artifact(pair, recipe: DictConfig) -> Artifact:
     a verifier fitted to the old one.
     """
     key = {"target": model_fingerprint(pair.target.module), "draft": model_fingerprint(pair.draft.module),
-           "draft_spec": pair.spec.drafts[0], "recipe": recipe, "teacher": pair.teacher.recipe.budget("verifier")}
+           "draft_spec": pair.spec.drafts[0], "recipe": part_key(recipe),
+           "teacher": budget(pair.teacher, epochs("verifier", recipe, pair.teacher))}
 
-    def build(folder: Path) -> dict:
-        model, report = train_verifier(pair, recipe)
-        torch.save({"d_in": model.d_in, "width": model.width, "state": model.state_dict()}, folder / "verifier.pt")
-        return report
-
-    def load(folder: Path) -> Verifier:
-        blob = torch.load(folder / "verifier.pt", map_location="cpu", weights_only=True)
+    def load(blob: dict) -> Verifier:
         model = Verifier(int(blob["d_in"]), int(blob["width"]))
         model.load_state_dict(blob["state"])
         return model.eval()
 
-    return Artifact("verifiers", pair.name, key, build, load, description="SPRINTER verifier",
-                    hint=f"run 'python -m bench train method pair={pair.name} method=sprinter' with the same recipe=")
+    return part_artifact("verifiers", pair.name, key, lambda: train_verifier(pair, recipe),
+                         lambda model: {"d_in": model.d_in, "width": model.width, "state": model.state_dict()}, load,
+                         "verifier.pt", description="SPRINTER verifier",
+                         hint=f"run 'python -m bench train method pair={pair.name} method=sprinter' with the same recipe=")
 
 
 def verifier_dir(pair, recipe: DictConfig) -> Path:

@@ -40,6 +40,7 @@ from bench.results import provenance, write_json_atomic  # noqa: E402
 from bench.validate import validate  # noqa: E402
 from core.corpus import instruction_prompts  # noqa: E402
 from core.errors import BenchError  # noqa: E402
+from training import kit  # noqa: E402
 from training.teacher import target_answers  # noqa: E402
 
 
@@ -55,19 +56,22 @@ def prompt_sets(n: int) -> dict[str, list[str]]:
 @torch.inference_mode()
 def agreement(draft, rows, row_len: int) -> dict:
     """Top-1 agreement of ``draft`` (a ``DraftLM`` or any causal LM) with the next token over ``rows`` of
-    ``(prompt_ids, answer_ids)``: on answer tokens only, and on the last ``row_len`` tokens of each sequence."""
-    hits = {"answer": 0, "row": 0}
-    total = {"answer": 0, "row": 0}
-    for prompt, answer in rows:
-        seq = torch.cat([prompt, answer]).to(next(draft.parameters()).device)
-        out = draft(seq[None, :-1])
-        logits = out.logits[0]
-        ok = logits.argmax(-1) == seq[1:]  # a DraftLM's logits are -inf outside its vocabulary
-        for name, part in (("answer", ok[len(prompt) - 1:]), ("row", ok[-(row_len - 1):])):
-            hits[name] += int(part.sum())
-            total[name] += part.numel()
-    return {f"{k}_agreement": round(hits[k] / total[k], 4) if total[k] else float("nan") for k in hits} | {
-        "answer_tokens": total["answer"]}
+    ``(prompt_ids, answer_ids)``: on answer tokens only, and on the last ``row_len`` tokens of each sequence
+    (:func:`training.kit.agreement`, one row at a time: rows differ in length)."""
+    device = next(draft.parameters()).device
+
+    def judge(index: torch.Tensor) -> list[tuple]:
+        prompt, answer = rows[int(index[0])]
+        seq = torch.cat([prompt, answer]).to(device)
+        hit = draft(seq[None, :-1]).logits[0].argmax(-1) == seq[1:]  # a DraftLM's logits are -inf outside its vocabulary
+        last_row, on_answer = torch.zeros_like(hit), torch.zeros_like(hit)
+        last_row[-(row_len - 1):] = True
+        on_answer[len(prompt) - 1:] = True
+        return [(hit[None], last_row[None], on_answer[None])]
+
+    figures = kit.agreement(judge, range(len(rows)), 1)
+    return {"answer_agreement": figures["answer_tokens"][0], "row_agreement": figures["all"][0],
+            "answer_tokens": sum(len(answer) for _, answer in rows)}
 
 
 def main(argv: list[str]) -> int:

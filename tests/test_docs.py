@@ -72,7 +72,7 @@ def test_every_method_page_shows_its_settings(capsys):
         shown = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
         if [line for line in shown if line not in page.splitlines()]:
             stale.append(name)
-    assert stale == [], "paste the output of python -m bench show method=NAME into docs/methods/NAME.md"
+    assert stale == [], "refresh the pages: .venv/bin/python scripts/docs_settings.py"
 
 
 def test_readme_relative_links_resolve():

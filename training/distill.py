@@ -13,8 +13,6 @@ rejection rule handles exactly.
 from __future__ import annotations
 
 import logging
-import math
-from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
@@ -27,21 +25,33 @@ from core.artifacts import (
     Artifact,
     load_or_build,
     model_fingerprint,
-    recipe_key,
     report_of,
 )
 from core.errors import BenchError
 from core.model_parts import copy_from
-from training.kit import store_data, store_vocab, sub_index
-from training.loop import TrainRecipe, fit
+from training.kit import (
+    budget,
+    epochs,
+    fit_and_measure,
+    part_artifact,
+    part_key,
+    store_data,
+    store_vocab,
+    sub_index,
+    trained_part,
+)
+from training.loop import TrainRecipe
 from training.teacher import Teacher, tokenizer_key
 
 log = logging.getLogger(__name__)
 
 
+@trained_part("draft")
 class DistillRecipe(TrainRecipe):
     """How a draft is distilled from the target (cached under cache_dir/drafts/, keyed by the target, this
     recipe and the run's training recipe: how many teacher tokens, how many epochs)."""
+
+    EPOCHS = {"smoke": 1, "quick": 2, "full": 2}
 
     layers: list[NonNegativeInt] = Field([0, 1, 2, 3], min_length=1, description="which target layers the draft "
                                          "starts from (renumbered 0..k-1)")
@@ -135,20 +145,19 @@ def distill_loss(draft: DraftLM, x, idx, prob, to_sub, weight=None):
     return (per_pos * labelled).sum() / labelled.sum().clamp_min(1e-9)  # weights below 1 must not be clamped
 
 
-@torch.no_grad()
-def agreement(draft: DraftLM, data: dict, batch_size: int, rows=None) -> float:
-    """Fraction of labelled positions of ``data`` (a store's ``ids``, ``idx``, ``mask``) where the draft's greedy
-    token is the target's: the acceptance rate greedy SD sees at a drafted position whose prefix matched.
-    ``rows``: which sequences (default all)."""
-    rows = torch.arange(len(data["ids"])) if rows is None else torch.as_tensor(rows)
+def draft_judge(draft: DraftLM, data: dict):
+    """:func:`training.kit.agreement`'s judge for a distilled draft over ``data`` (a store's ``ids``, ``idx``,
+    ``mask``, ``answer`` in memory): at every labelled position, is the draft's greedy token the target's (the
+    acceptance greedy SD sees at a drafted position whose prefix matched)?"""
     device = draft.vocab_map.device
-    hits = total = 0
-    for part in rows.split(batch_size):
-        sub, _ = draft.sub_logits(data["ids"][part].to(device))
-        mask = data["mask"][part].to(device)
-        hits += (draft.vocab_map[sub.argmax(-1)] == data["idx"][part][..., 0].to(device))[mask].sum().item()
-        total += mask.sum().item()
-    return round(hits / total, 4) if total else float("nan")
+
+    def judge(rows: torch.Tensor) -> list[tuple]:
+        sub, _ = draft.sub_logits(data["ids"][rows].to(device))
+        counted = data["mask"][rows].to(device)
+        hit = draft.vocab_map[sub.argmax(-1)] == data["idx"][rows][..., 0].to(device)
+        return [(hit, counted, counted & data["answer"][rows].to(device))]
+
+    return judge
 
 
 def train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tuple[DraftLM, dict]:
@@ -169,25 +178,15 @@ def train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
 
     draft = draft_from_target(target, list(recipe.layers), vocab_map).to(device)
     on = to_sub.to(device)
-    bs = int(recipe.batch_size)
-    report = {"agreement_before": agreement(draft, held, bs)}
     draft.get_input_embeddings().weight.requires_grad_(False)  # the input embedding stays the target's
-    params = [p for p in draft.parameters() if p.requires_grad]
-    draft.train()
-    fit(params, lambda: torch.randperm(len(train["ids"])).split(bs),
-        lambda b: distill_loss(draft, *(train[f][b].to(device) for f in ("ids", "idx", "prob")), on,
-                                 train["weight"][b].to(device)),
-        epochs=int(teacher.recipe.draft_epochs), steps_per_epoch=math.ceil(len(train["ids"]) / bs),
-        lr=float(recipe.lr), desc="draft: distilling")
-    draft.eval()
-    answers = [i for i in range(len(held["ids"])) if held_store.kind(i) == "answers"]
+    report = fit_and_measure(
+        [draft], lambda b: distill_loss(draft, *(train[f][b].to(device) for f in ("ids", "idx", "prob")), on,
+                                        train["weight"][b].to(device)),
+        examples=len(train["ids"]), judge=lambda: draft_judge(draft, held), held=len(held["ids"]),
+        answer_rows=[i for i in range(len(held["ids"])) if held_store.kind(i) == "answers"],
+        epochs=epochs("draft", recipe, teacher), batch_size=int(recipe.batch_size), lr=float(recipe.lr),
+        desc="draft: distilling")
     report.update(
-        agreement_after=agreement(draft, held, bs),
-        # On the target's own held-out answer rows (the prompt's end, then the answer), and on the answer's tokens
-        # alone: the positions greedy SD drafts for, what its acceptance α follows.
-        answer_agreement=agreement(draft, held, bs, answers) if answers else None,
-        answer_token_agreement=agreement(draft, {**held, "mask": held["mask"] & held["answer"]}, bs, answers)
-        if answers else None,
         recipe=teacher.recipe.name,
         train_tokens=int(m.sum()),
         heldout_tokens=int(held["mask"].sum()),
@@ -205,28 +204,26 @@ def draft_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher, devi
     """
     ident = model_fingerprint(target)
 
-    def build(folder: Path) -> dict:
+    def train() -> tuple[DraftLM, dict]:
         # Trained beside the fp32 target on ``device`` (the run's: the GPU, when there is one), which goes back
         # where it was after: only a draft that must be trained costs the fp32 target's memory there.
         home = next(target.parameters()).device
         try:
-            draft, report = train_draft(target.to(device or home), tokenizer, recipe, teacher)
+            return train_draft(target.to(device or home), tokenizer, recipe, teacher)
         finally:
             target.to(home)
-        torch.save({"config": draft.config.to_dict(), "state": draft.state_dict()}, folder / "draft.pt")
-        return report
 
-    def load(folder: Path) -> DraftLM:
-        blob = torch.load(folder / "draft.pt", map_location="cpu", weights_only=True)
+    def load(blob: dict) -> DraftLM:
         draft = DraftLM(target.config.__class__.from_dict(blob["config"]), blob["state"]["vocab_map"])
         draft.load_state_dict(blob["state"])
         return draft.eval()
 
-    key = {"target": ident, "recipe": recipe_key(recipe, answer_weight=1.0), "teacher": teacher.recipe.budget("draft"),
-           **tokenizer_key(tokenizer)}
-    return Artifact("drafts", ident["name"], key, build, load,
-                    hint="run 'python -m bench train draft' with the same pair= and recipe= settings",
-                    description="distilled draft")
+    key = {"target": ident, "recipe": part_key(recipe, answer_weight=1.0),
+           "teacher": budget(teacher, epochs("draft", recipe, teacher)), **tokenizer_key(tokenizer)}
+    return part_artifact("drafts", ident["name"], key, train,
+                         lambda draft: {"config": draft.config.to_dict(), "state": draft.state_dict()}, load,
+                         "draft.pt", hint="run 'python -m bench train draft' with the same pair= and recipe= settings",
+                         description="distilled draft")
 
 
 def load_or_train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher, device=None) -> DraftLM:

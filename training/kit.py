@@ -1,24 +1,59 @@
 """The trainer kit: what every trained part (the distilled draft, Medusa / Hydra / Amphista heads, EAGLE's and
-GliDe's drafts, SPACE's mask embeddings, the SPRINTER verifier) reads the teacher store and caches its result with.
+GliDe's drafts, SPACE's mask embeddings, the SPRINTER verifier) is trained, measured, reported and cached with.
 
-- the frozen target in fp32 (:func:`fp32_eval`) and the stores it labelled (:func:`feature_stores`,
-  :func:`store_data`), checked to keep what the trainer reads (:func:`check_store_keeps_hidden`);
-- the reduced drafting vocabulary (:func:`pick_vocab`, :func:`store_vocab`, :func:`sub_index`);
-- a trained draft module as one cached artifact (:func:`module_artifact`).
-
-The loop itself is :func:`training.loop.fit`."""
+A trainer is: seed, the frozen target in fp32 (:func:`fp32_eval`), its stores (:func:`feature_stores`,
+:func:`store_data`; :func:`check_store_keeps_hidden` before any model loads), a reduced drafting vocabulary
+(:func:`store_vocab`, :func:`pick_vocab`, :func:`sub_index`), then :func:`fit_and_measure`: held-out
+:func:`agreement` before, :func:`training.loop.fit` for the part's own epochs (:func:`epochs`), agreement after,
+one report shape. Its result is one cached artifact (:func:`part_artifact`, keyed with :func:`part_key` and
+:func:`budget`)."""
 
 from __future__ import annotations
 
 import copy
 from collections import Counter
 from pathlib import Path
+from typing import Callable, Iterable
 
 import torch
 
-from core.artifacts import Artifact, model_fingerprint
+from core.artifacts import Artifact, model_fingerprint, recipe_key
 from core.errors import BenchError
+from core.metrics import ratio
+from training.loop import TrainRecipe, fit
 from training.teacher import Teacher
+
+# Every trained part's recipe class by the part's name (``draft``, ``heads``, ...): ``@trained_part("name")``.
+PARTS: dict[str, type[TrainRecipe]] = {}
+
+
+def trained_part(name: str):
+    """Class decorator naming a trained part's recipe class (a :class:`TrainRecipe` that declares its ``EPOCHS``)."""
+
+    def wrap(cls: type[TrainRecipe]) -> type[TrainRecipe]:
+        if name in PARTS and PARTS[name] is not cls:
+            raise ValueError(f"trained part '{name}' is declared twice ({PARTS[name].__module__}, {cls.__module__})")
+        PARTS[name] = cls
+        return cls
+
+    return wrap
+
+
+def epochs(name: str, recipe, teacher: Teacher) -> int:
+    """Passes part ``name`` makes with ``recipe`` (its settings) under the run's recipe."""
+    return PARTS[name].epochs_for(recipe, teacher.recipe.name)
+
+
+def budget(teacher: Teacher, epochs: int) -> dict:
+    """What a trained part depends on in the run's recipe: the store's contents, how many of its tokens are read
+    and for how many passes (not the recipe's name, nor the held-out size, which changes only the report)."""
+    return {"store": teacher.recipe.store.key(), "tokens": teacher.recipe.tokens, "epochs": epochs}
+
+
+def part_key(recipe, **added) -> dict:
+    """A part's recipe as its artifact key holds it (:func:`core.artifacts.recipe_key`), without ``epochs``: the
+    passes enter once, resolved, through :func:`budget`."""
+    return {k: v for k, v in recipe_key(recipe, **added).items() if k != "epochs"}
 
 
 def fp32_eval(target):
@@ -45,28 +80,104 @@ def feature_stores(target, tokenizer, teacher: Teacher, who: str):
     return teacher.store(target, tokenizer, "train"), teacher.store(target, tokenizer, "test")
 
 
+@torch.no_grad()
+def agreement(judge: Callable[[torch.Tensor], list[tuple]], rows: Iterable[int], batch_size: int,
+              answer_rows: Iterable[int] = ()) -> dict[str, list[float]]:
+    """Held-out top-1 agreement of a trained part with the target, per output (one for a draft, K for K heads):
+    hits / positions counted, NaN where none are (:func:`core.metrics.ratio`), rounded to 4 places.
+
+    ``judge(part)`` reads the store rows ``part`` (``LongTensor (b,)``) and returns, per output, three tensors
+    whose first dimension is those rows: ``hit`` (the part's greedy token is the target's), ``counted`` (the
+    position counts) and ``on_answer`` (it counts and its label is the target's own answer token), all bool.
+    Returns ``all`` (every counted position), ``answer_rows`` (those of ``answer_rows``, the target's own
+    answers) and ``answer_tokens`` (positions labelled by an answer token: what a greedy decode's α follows)."""
+    answer = set(int(r) for r in answer_rows)
+    sums: list[dict[str, list[int]]] = []
+    for chunk in torch.as_tensor(list(rows), dtype=torch.long).split(batch_size):
+        on_row = torch.tensor([int(r) in answer for r in chunk], dtype=torch.bool)
+        for k, (hit, counted, on_answer) in enumerate(judge(chunk)):
+            if k == len(sums):
+                sums.append({"all": [0, 0], "answer_rows": [0, 0], "answer_tokens": [0, 0]})
+            on_row_here = on_row.to(counted.device).view(-1, *([1] * (counted.dim() - 1)))
+            for view, where in (("all", counted), ("answer_rows", counted & on_row_here), ("answer_tokens", on_answer)):
+                sums[k][view][0] += int((hit & where).sum())
+                sums[k][view][1] += int(where.sum())
+    views = ("all", "answer_rows", "answer_tokens")
+    return {view: [round(ratio(*s[view]), 4) for s in sums] for view in views}
+
+
+def fit_and_measure(modules: list[torch.nn.Module], step: Callable[[torch.Tensor], torch.Tensor], *, examples: int,
+                    judge: Callable[[], Callable[[torch.Tensor], list[tuple]]], held: int, answer_rows: Iterable[int], epochs: int,
+                    batch_size: int, lr: float, desc: str, params: list | None = None, **fit_args) -> dict:
+    """The middle of every trainer: held-out :func:`agreement` over the ``held`` rows before,
+    :func:`training.loop.fit` over ``examples`` rows in shuffled batches of ``batch_size`` (``step(rows) -> loss``)
+    for ``epochs`` passes, agreement after; returns the report's common part. ``judge()`` makes a fresh judge for
+    each measurement (one may hold state: SPACE's seeded cuts). A figure is a number for a part of one output, a list (per head, per
+    mask) for several. ``params``: what trains (default: every parameter of ``modules`` that takes a gradient)."""
+    answer_rows = list(answer_rows)
+    single = None
+
+    def figure(values: list[float]):
+        return values[0] if single else values
+
+    before = agreement(judge(), range(held), batch_size, answer_rows)
+    single = len(before["all"]) == 1
+    params = params if params is not None else [p for m in modules for p in m.parameters() if p.requires_grad]
+    for m in modules:
+        m.train()
+    loss = fit(params, lambda: torch.randperm(examples).split(batch_size), step, epochs=epochs,
+               steps_per_epoch=-(-examples // batch_size), lr=lr, desc=desc, **fit_args)
+    for m in modules:
+        m.eval()
+    after = agreement(judge(), range(held), batch_size, answer_rows)
+    return {
+        # Held-out: P(the part's greedy token == the target's), on every position, before and after training.
+        "agreement_before": figure(before["all"]),
+        "agreement_after": figure(after["all"]),
+        # After, on the target's own held-out answer rows, and on the answer's tokens alone.
+        "answer_agreement": figure(after["answer_rows"]),
+        "answer_token_agreement": figure(after["answer_tokens"]),
+        "epochs": epochs,
+        "final_loss": round(loss, 4),
+    }
+
+
+def part_artifact(kind: str, name: str, key: dict, train: Callable[[], tuple], save: Callable[[object], dict],
+                  load: Callable[[dict], object], file: str, hint: str, description: str) -> Artifact:
+    """A trained part as one cached artifact (``cache_dir/<kind>/<name>-<key>/<file>``): ``train() -> (part,
+    report)`` builds it, ``save(part)`` is what ``file`` holds, ``load(blob)`` rebuilds the part from it and
+    raises ``ValueError`` where the blob does not fit (the artifact is then rebuilt, or refused in one sentence).
+    The file is read with ``weights_only``: one that would run code is refused, never executed."""
+
+    def build(folder: Path) -> dict:
+        made, report = train()
+        torch.save(save(made), folder / file)
+        return report
+
+    def read(folder: Path):
+        return load(torch.load(folder / file, map_location="cpu", weights_only=True))
+
+    return Artifact(kind, name, key, build, read, hint=hint, description=description)
+
+
 def module_artifact(kind: str, target, key: dict, train, new, hint: str, description: str) -> Artifact:
     """A draft module trained from the target (EAGLE's, GliDe's) as a cached artifact ``<kind>.pt`` holding its
     hidden size, depth and weights. ``key``: what it depends on besides the target's weights; ``train() ->
     (module, report)`` builds it; ``new(vocab_map, layers)`` makes an untrained one to load the weights into."""
     ident = model_fingerprint(target)
 
-    def build(folder: Path) -> dict:
-        draft, report = train()
-        torch.save({"hidden": target.config.hidden_size, "layers": draft.config.num_hidden_layers,
-                    "state": draft.state_dict()}, folder / f"{kind}.pt")
-        return report
+    def save(draft) -> dict:
+        return {"hidden": target.config.hidden_size, "layers": draft.config.num_hidden_layers, "state": draft.state_dict()}
 
-    def load(folder: Path):
-        blob = torch.load(folder / f"{kind}.pt", map_location="cpu", weights_only=True)
+    def load(blob: dict):
         if blob["hidden"] != target.config.hidden_size:
             raise ValueError(f"its hidden size is {blob['hidden']}, the target's {target.config.hidden_size}")
         draft = new(blob["state"]["vocab_map"], blob.get("layers", 1))
         draft.load_state_dict(blob["state"])
         return draft.eval()
 
-    return Artifact(kind, f"{kind}-{ident['name']}", {"target": ident, **key}, build, load, hint=hint,
-                    description=description)
+    return part_artifact(kind, f"{kind}-{ident['name']}", {"target": ident, **key}, train, save, load, f"{kind}.pt",
+                         hint, description)
 
 
 def store_data(store, fields=("ids", "idx", "prob", "mask")) -> dict[str, torch.Tensor]:

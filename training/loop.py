@@ -1,10 +1,10 @@
-"""The one small training loop shared by the draft, the heads and the verifier (AdamW, a progress bar), and the
-settings every trainer has. How much each trains (teacher tokens, epochs) is the run's recipe
-(:class:`training.teacher.RecipeSettings`), not the trainer's."""
+"""The one small training loop every trained part runs (AdamW, a progress bar), and the settings every trainer
+has. How many teacher tokens a part reads is the run's recipe (:class:`training.teacher.RecipeSettings`); how many
+passes it makes over them under each recipe, the part declares itself (``TrainRecipe.EPOCHS``)."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, ClassVar, Iterable
 
 import torch
 from pydantic import Field
@@ -14,11 +14,27 @@ from core.schema import Settings
 
 
 class TrainRecipe(Settings):
-    """What every trainer's recipe holds (a subclass sets its own defaults and adds its model's settings)."""
+    """What every trainer's recipe holds (a subclass sets its own defaults and adds its model's settings).
+
+    ``EPOCHS``: the passes the part makes over its examples under each preset run recipe (``recipe=smoke|quick|
+    full``; a recipe of another name takes quick's), declared by the part next to its code; ``epochs`` overrides
+    it for one run."""
+
+    EPOCHS: ClassVar[dict[str, int]] = {"smoke": 1, "quick": 1, "full": 1}
 
     batch_size: int = Field(8, ge=1, description="sequences per training step")
     lr: float = Field(1.0e-3, gt=0, description="AdamW learning rate")
     seed: int = Field(0, ge=0, description="seeds initialisation and data order")
+    epochs: int | None = Field(None, ge=1, description="passes over the training examples; null: the part's own "
+                               "count for the run's recipe (smoke, quick, full)")
+
+    @classmethod
+    def epochs_for(cls, recipe, run_recipe: str) -> int:
+        """The passes ``recipe`` (this class's settings, as a dict or config) makes under the run recipe named
+        ``run_recipe``."""
+        if recipe.get("epochs") is not None:
+            return int(recipe["epochs"])
+        return cls.EPOCHS.get(run_recipe, cls.EPOCHS["quick"])
 
 
 def fit(

@@ -102,9 +102,10 @@ def store_key(store: dict, kind: str = "answers") -> dict:
 
 
 class RecipeSettings(Settings):
-    """How much the target labels and how long the trainers train (``recipe=smoke|quick|full``). Every trainer of
-    a run (distilled drafts, Medusa/Hydra heads, the SPRINTER verifier, EAGLE's draft layer, GliDe's
-    draft) reads the same teacher store under the same recipe; records name the recipe behind each trained method."""
+    """How much the target labels for the trainers (``recipe=smoke|quick|full``). Every trained part of a run reads
+    the same teacher store under the same recipe, for as many passes as the part itself declares for the recipe
+    (``training.loop.TrainRecipe.EPOCHS``: the recipe names no method); records name the recipe behind each
+    trained method."""
 
     name: str = Field("quick", pattern=r"^[A-Za-z0-9_.-]+$", description="the recipe's name, as records and "
                       "tables show it")
@@ -112,22 +113,7 @@ class RecipeSettings(Settings):
                         "ceil(tokens / seq_len) stored sequences); the store grows to hold them")
     eval_tokens: int = Field(16384, ge=1, description="held-out teacher tokens (test split) for the trainers' "
                              "reports")
-    draft_epochs: int = Field(2, ge=1, description="passes of a distilled draft over the teacher tokens")
-    heads_epochs: int = Field(2, ge=1, description="passes of Medusa / Hydra heads over the teacher tokens")
-    verifier_epochs: int = Field(8, ge=1, description="passes of the SPRINTER verifier over its examples")
-    eagle_epochs: int = Field(6, ge=1, description="passes of EAGLE's draft layer over the teacher tokens (the "
-                              "paper: 20)")
-    glide_epochs: int = Field(2, ge=1, description="passes of GliDe's draft over the teacher tokens")
-    space_epochs: int = Field(1, ge=1, description="passes of SPACE's mask embeddings over the teacher tokens "
-                              "(each a backward pass through the frozen target)")
     store: StoreSettings = Field(default_factory=StoreSettings, description="what the teacher store holds")
-
-    def budget(self, trainer: str) -> dict:
-        """What a trained artifact of ``trainer`` (draft, heads, verifier) depends on in the recipe: the store's
-        contents, how many of its tokens are read and for how many epochs (not the recipe's name, nor the
-        held-out size, which changes only the report)."""
-        return {"store": self.store.key(), "tokens": self.tokens,
-                "epochs": getattr(self, f"{trainer}_epochs")}
 
     @property
     def label(self) -> str:
@@ -142,12 +128,10 @@ class RecipeSettings(Settings):
 # sized for ``python -m bench train all recipe=full`` in about an hour on 2 CPU cores for the methods of issue 12;
 # with every trained method since, about 3 h (README: measured).
 RECIPES = {
-    "smoke": RecipeSettings(name="smoke", tokens=4096, eval_tokens=1024, draft_epochs=1, heads_epochs=1,
-                            verifier_epochs=2, eagle_epochs=1, glide_epochs=1, space_epochs=2,
+    "smoke": RecipeSettings(name="smoke", tokens=4096, eval_tokens=1024,
                             store=StoreSettings(corpus="lee", seq_len=64, shard_sequences=16, answer_tokens=32, topk=8)),
     "quick": RecipeSettings(),
-    "full": RecipeSettings(name="full", tokens=163840, eval_tokens=32768, draft_epochs=2, heads_epochs=1,
-                           verifier_epochs=8, eagle_epochs=8, glide_epochs=2, space_epochs=1),
+    "full": RecipeSettings(name="full", tokens=163840, eval_tokens=32768),
 }
 
 

@@ -37,6 +37,7 @@ from torch import nn
 from core.counting import Counted, CountedModule
 from core.model_parts import body_config, copy_last_layers
 from methods.heads._adversarial import AdversaryRecipe
+from training.kit import trained_part
 from training.loop import TrainRecipe
 
 log = logging.getLogger(__name__)
@@ -44,9 +45,12 @@ log = logging.getLogger(__name__)
 KINDS = ("medusa", "hydra", "amphista")
 
 
+@trained_part("heads")
 class HeadsRecipe(TrainRecipe):
     """How Medusa / Hydra heads are trained (cached under cache_dir/heads/, keyed by the target, this recipe and
     the run's training recipe: how many teacher tokens, how many epochs)."""
+
+    EPOCHS = {"smoke": 1, "quick": 2, "full": 1}
 
     num_heads: int = Field(4, ge=1, description="head k proposes the token k + 1 steps after the target's next one")
     layers: int = Field(1, ge=1, description="residual MLP blocks per head (Medusa and Hydra: 1; Hydra++: 4; KOALA: K)")

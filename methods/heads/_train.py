@@ -6,20 +6,28 @@ The modules themselves are in :mod:`methods.heads._heads`."""
 from __future__ import annotations
 
 import logging
-import math
-from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from core.artifacts import Artifact, load_or_build, model_fingerprint, recipe_key, report_of
+from core.artifacts import Artifact, load_or_build, model_fingerprint, report_of
 from core.errors import BenchError
 from methods.heads._adversarial import Adversary, AdversaryRecipe
 from methods.heads._amphista import AmphistaHeads
 from methods.heads._heads import Heads, PrefixLayer
-from training.kit import feature_stores, fp32_eval, store_data, store_vocab, sub_index
-from training.loop import fit
+from training.kit import (
+    budget,
+    epochs,
+    feature_stores,
+    fit_and_measure,
+    fp32_eval,
+    part_artifact,
+    part_key,
+    store_data,
+    store_vocab,
+    sub_index,
+)
 from training.teacher import Teacher
 
 log = logging.getLogger(__name__)
@@ -69,43 +77,39 @@ def heads_loss(heads: Heads, batch: dict, to_sub, loss: str, embed, decay: float
     return total
 
 
-@torch.no_grad()
-def head_agreement(heads: Heads, store, embed, batch_size: int, prefix: PrefixLayer | None = None,
-                   device=None, answer_only: bool = False) -> list[float]:
-    """Per head: fraction of held-out positions where head k's greedy token equals the target's greedy token
-    k + 1 steps after its next one (teacher-forced: the acceptance rate of a depth-(k+1) chain node whose
-    ancestors were accepted), on the store's text positions (``answer_only``: those whose label is the target's
-    own answer token)."""
-    hits, total = [0] * heads.num_heads, [0] * heads.num_heads
-    for part in torch.arange(len(store)).split(batch_size):
-        b = {n: t.to(device) for n, t in store.rows(part, ("ids", "idx", "mask", "hidden", "answer")).items()}
+def heads_judge(heads: Heads, store, embed, prefix: PrefixLayer | None = None, device=None):
+    """:func:`training.kit.agreement`'s judge for K heads: per head k, is its greedy token the target's greedy
+    token k + 1 steps after its next one (teacher-forced: the acceptance of a depth-(k+1) chain node whose
+    ancestors were accepted)?"""
+
+    def judge(rows: torch.Tensor) -> list[tuple]:
+        b = {n: t.to(device) for n, t in store.rows(rows, ("ids", "idx", "mask", "hidden", "answer")).items()}
         h = b["hidden"] if prefix is None else prefix(b["hidden"])
         T = h.shape[1]
+        out = []
         for k, logits in enumerate(heads.teacher_forced(h, b["ids"], embed)):
-            pred = heads.vocab_map[logits.argmax(-1)]
-            keep = b["mask"][:, : T - k - 1] & b["mask"][:, k + 1 :]
-            if answer_only:
-                keep = keep & b["answer"][:, k + 1 :]
-            hits[k] += (pred == b["idx"][:, k + 1 :, 0])[keep].sum().item()
-            total[k] += keep.sum().item()
-    return [round(h / max(n, 1), 4) for h, n in zip(hits, total)]
+            counted = b["mask"][:, : T - k - 1] & b["mask"][:, k + 1 :]
+            hit = heads.vocab_map[logits.argmax(-1)] == b["idx"][:, k + 1 :, 0]
+            out.append((hit, counted, counted & b["answer"][:, k + 1 :]))
+        return out
+
+    return judge
 
 
 def train_heads(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teacher) -> tuple[Heads, PrefixLayer | None, dict]:
     """Train K heads of ``kind`` (and the prefix layer, when the recipe asks for one) from the teacher store of
     the frozen target: its stored hidden states are the heads' input, its labels their targets. Returns them
-    (on the CPU) and a report."""
+    (on the CPU) and a report (figures per head)."""
     torch.manual_seed(int(recipe.seed))
     target = fp32_eval(target)
     device = next(target.parameters()).device
     embed = target.get_input_embeddings()
-    K, bs = int(recipe.num_heads), int(recipe.batch_size)
+    K = int(recipe.num_heads)
     settings = teacher.recipe.store
     if settings.seq_len <= K + 1:  # also checked with the config (TreeHeadsMethod.check_recipe)
         raise BenchError(f"recipe.store.seq_len ({settings.seq_len}) must exceed method.recipe.num_heads + 1 ({K + 1}).")
     train, held = feature_stores(target, tokenizer, teacher, "heads read")
     cols = store_data(train, ("ids", "idx", "mask"))
-    m = cols["mask"]
     vocab_map = store_vocab(tokenizer, cols, int(recipe.vocab), target.config.vocab_size)
     to_sub = sub_index(vocab_map, target.config.vocab_size).to(device)
 
@@ -119,34 +123,26 @@ def train_heads(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teach
         teacher_head = nn.Linear(target.config.hidden_size, len(vocab_map), bias=False).to(device).requires_grad_(False)
         teacher_head.weight.data.copy_(target.get_output_embeddings().weight.data[vocab_map.to(device)])
     prefix = PrefixLayer.from_target(target).to(device) if recipe.get("prefix_layer", False) else None
-    modules = [heads] + ([prefix] if prefix is not None else [])
-    report = {"agreement_before": head_agreement(heads, held, embed, bs, prefix, device)}
-    params = [p for mod in modules for p in mod.parameters() if p.requires_grad]
-    for mod in modules:
-        mod.train()
 
     def step(rows: torch.Tensor) -> torch.Tensor:
         batch = {n: t.to(device) for n, t in train.rows(rows, ("ids", "idx", "mask", "hidden")).items()}
         return heads_loss(heads, batch, to_sub, recipe.loss, embed, float(recipe.decay), prefix, teacher_head, adversary)
 
-    fit(params, lambda: torch.randperm(len(train)).split(bs), step, epochs=int(teacher.recipe.heads_epochs),
-        steps_per_epoch=math.ceil(len(train) / bs), lr=float(recipe.lr),
+    report = fit_and_measure(
+        [heads] + ([prefix] if prefix is not None else []), step, examples=len(train),
+        judge=lambda: heads_judge(heads, held, embed, prefix, device), held=len(held),
+        answer_rows=[i for i in range(len(held)) if held.kind(i) == "answers"],
+        epochs=epochs("heads", recipe, teacher), batch_size=int(recipe.batch_size), lr=float(recipe.lr),
         desc=f"{kind}: training {K} heads" + (" and the prefix layer" if prefix is not None else "")
         + (" against a discriminator" if adversary is not None else ""))
-    for mod in modules:
-        mod.eval()
     held_top1 = held.rows(range(len(held)), ("idx", "mask"))
     report.update(
-        # Per head k: P(head k's top-1 == the target's greedy token k + 1 steps after its next one), held out.
-        agreement_after=head_agreement(heads, held, embed, bs, prefix, device),
-        # The same where the label is the target's own answer token: what acceptance while decoding follows.
-        answer_token_agreement=head_agreement(heads, held, embed, bs, prefix, device, answer_only=True),
         prefix_layer=prefix is not None,
         layers=heads.layers,
         **({"stages": len(heads.stages)} if kind == "amphista" else {}),
         **(adversary.report() if adversary is not None else {}),
         recipe=teacher.recipe.name,
-        train_tokens=int(m.sum()),
+        train_tokens=int(cols["mask"].sum()),
         heldout_tokens=int(held_top1["mask"].sum()),
         vocab=int(vocab_map.numel()),
         vocab_coverage=round(float((to_sub.cpu()[held_top1["idx"][..., 0][held_top1["mask"]]] >= 0).float().mean()), 4),
@@ -164,19 +160,20 @@ def heads_artifact(target, tokenizer, kind: str, recipe: DictConfig, teacher: Te
     ``prefix_layer`` is keyed as a bool (absent = false), so a cached file always has the prefix layer its
     recipe asks for; loading checks it anyway, since a mismatch would decode with the wrong heads' input.
     """
-    keyed = {**recipe_key(recipe, adversarial=None), "prefix_layer": bool(recipe.get("prefix_layer", False))}
+    keyed = {**part_key(recipe, adversarial=None), "prefix_layer": bool(recipe.get("prefix_layer", False))}
     ident = model_fingerprint(target)
 
-    def build(folder: Path) -> dict:
+    def train() -> tuple[tuple[Heads, PrefixLayer | None], dict]:
         heads, prefix, report = train_heads(target, tokenizer, kind, recipe, teacher)
-        torch.save({"kind": kind, "hidden": heads.blocks[0].linear.out_features, "num_heads": heads.num_heads,
-                    "layers": heads.layers, "stages": len(getattr(heads, "stages", ())),
-                    "state": heads.state_dict(), "prefix": prefix.state_dict() if prefix is not None else None},
-                   folder / "heads.pt")
-        return report
+        return (heads, prefix), report
 
-    def load(folder: Path) -> tuple[Heads, PrefixLayer | None]:
-        blob = torch.load(folder / "heads.pt", map_location="cpu", weights_only=True)
+    def save(made: tuple[Heads, PrefixLayer | None]) -> dict:
+        heads, prefix = made
+        return {"kind": kind, "hidden": heads.blocks[0].linear.out_features, "num_heads": heads.num_heads,
+                "layers": heads.layers, "stages": len(getattr(heads, "stages", ())), "state": heads.state_dict(),
+                "prefix": prefix.state_dict() if prefix is not None else None}
+
+    def load(blob: dict) -> tuple[Heads, PrefixLayer | None]:
         has_prefix = blob.get("prefix") is not None
         if has_prefix != keyed["prefix_layer"]:
             # Not a BenchError: a file that does not fit its key is broken, rebuilt when building is allowed.
@@ -191,10 +188,10 @@ def heads_artifact(target, tokenizer, kind: str, recipe: DictConfig, teacher: Te
             prefix.eval()
         return heads.eval(), prefix
 
-    key = {"target": ident, "kind": kind, "recipe": keyed, "teacher": teacher.recipe.budget("heads")}
-    return Artifact("heads", f"{kind}-{ident['name']}", key, build, load,
-                    hint=f"run 'python -m bench train method method={method or kind}' with the same recipe=",
-                    description=f"{kind} heads")
+    key = {"target": ident, "kind": kind, "recipe": keyed, "teacher": budget(teacher, epochs("heads", recipe, teacher))}
+    return part_artifact("heads", f"{kind}-{ident['name']}", key, train, save, load, "heads.pt",
+                         hint=f"run 'python -m bench train method method={method or kind}' with the same recipe=",
+                         description=f"{kind} heads")
 
 
 def load_or_train_heads(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teacher,
