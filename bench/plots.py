@@ -74,6 +74,35 @@ def speedup_by_category(df: pd.DataFrame, runs: list[dict], table: pd.DataFrame)
     return fig
 
 
+def speedup_overview(df: pd.DataFrame, runs: list[dict], table: pd.DataFrame):
+    """Every method side by side: its median paired speedup over the baseline with the bootstrap interval, one
+    bar per method setting, fastest on top; lossy methods hatched (one panel per pair × dataset)."""
+    baselines = set(df.loc[df["is_baseline"], "label"])
+    rows = table[table["speedup_median"].notna() & ~table["label"].isin(baselines)]
+    if rows.empty:
+        return "no method with a paired baseline measurement"
+    lossy = set(df.loc[~df["lossless"].astype(bool), "label"]) if "lossless" in df else set()
+    combos = list(rows.groupby(["pair", "dataset"]).groups)
+    height = max(len(rows[(rows["pair"] == p) & (rows["dataset"] == d)]) for p, d in combos)
+    fig, axes = plt.subplots(len(combos), 1, figsize=(SINGLE, 0.6 + 0.22 * height * len(combos)), squeeze=False)
+    for ax, (pair, dataset) in zip(axes[:, 0], combos):
+        sub = rows[(rows["pair"] == pair) & (rows["dataset"] == dataset)].sort_values("speedup_median")
+        y = np.arange(len(sub))
+        med = sub["speedup_median"].to_numpy(float)
+        err = np.nan_to_num(np.array([med - sub["speedup_lo"].to_numpy(float), sub["speedup_hi"].to_numpy(float) - med]))
+        bars = ax.barh(y, med, xerr=err, capsize=1.5, color="tab:blue", error_kw={"lw": 0.6})
+        for bar, label in zip(bars, sub["label"]):
+            if label in lossy:
+                bar.set_hatch("///")
+                bar.set_facecolor("white")
+                bar.set_edgecolor("tab:blue")
+        ax.axvline(1.0, color="black", lw=0.6, ls="--")
+        ax.set_yticks(y, [str(label) + (" (lossy)" if label in lossy else "") for label in sub["label"]])
+        ax.set_xlabel(f"speedup over {baseline_name(df)} (median over prompts, 95% interval)")
+        ax.set_title(f"{pair} · {dataset}")
+    return fig
+
+
 def latency_vs_quality(df: pd.DataFrame, runs: list[dict], table: pd.DataFrame):
     """Per quality metric: milliseconds per token (x) against the summary's quality (y), one point per method setting."""
     # q_<metric>_baseline is the baseline's own score of q_<metric>: it does not belong at the method's latency.
@@ -207,6 +236,7 @@ def flops_vs_latency(df: pd.DataFrame, runs: list[dict], table: pd.DataFrame):
 
 
 FIGURES = {
+    "speedup_overview": speedup_overview,
     "speedup_by_category": speedup_by_category,
     "latency_vs_quality": latency_vs_quality,
     "setting_tradeoff": setting_tradeoff,

@@ -32,7 +32,7 @@ from core.errors import BenchError
 
 ATTENTION = ("self_attn", "attn")  # Llama-style, GPT-2
 MLP = ("mlp",)
-# The families every method is walked on (tests/test_methods.py, tests/test_families.py; README "Model families").
+# The families every method is walked on (tests/methods/test_methods.py, tests/test_families.py; README "Model families").
 FAMILIES = ("llama", "qwen2", "mistral", "gemma", "gpt2")
 
 

@@ -13,7 +13,7 @@ of one path. Trees come from two places:
   depth keeps a prefix of the nodes.
 
 Each node attends to the cache and to its ancestors (itself included), at position ``past + depth``: its
-logits are exactly those of its path scored as a plain sequence (tested in ``tests/test_tree.py``).
+logits are exactly those of its path scored as a plain sequence (tested in ``tests/decoding/test_tree.py``).
 """
 
 from __future__ import annotations

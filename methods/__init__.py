@@ -8,8 +8,8 @@
    ConfigStore), ``python -m bench show method=<name>`` prints them, bad values are refused in one sentence.
 
 Nothing in ``bench/`` or ``configs/`` changes and no test needs writing: the harness discovers the file, times
-it, counts its model calls and writes its records, ``tests/test_methods.py`` walks the registry (greedy
+it, counts its model calls and writes its records, ``tests/methods/test_methods.py`` walks the registry (greedy
 equality with ``ar`` and the sampling distribution test for every lossless method) and
-``tests/test_schema.py`` walks its settings (wrong type, out of range, NaN). Files whose name starts with an
+``tests/bench/test_schema.py`` walks its settings (wrong type, out of range, NaN). Files whose name starts with an
 underscore hold a family's internals and are not registered.
 """

@@ -35,7 +35,7 @@ Acceptance at the root, derived here (``decoding.verify.hub_acceptance`` / ``rrs
 P(hub keeps a draft) = 1 - sum_{i != a} (p(i) - q(i) / (1 - q(a)))+; P(RRS keeps one of 2 i.i.d. drafts) =
 1 - sum_x (p(x) - (2 - b) q(x))+ with b = sum min(p, q). So SpecHub accepts at least as often as RRS whenever
 1 / (1 - q(a)) >= 2 - b, in particular whenever q(a) >= 1/2; with a flat draft (q(a) well below 1/2) it can
-accept less (``tests/test_spechub.py`` has a case). The per-prompt figures give both expectations on the same
+accept less (``tests/methods/test_spechub.py`` has a case). The per-prompt figures give both expectations on the same
 contexts, whichever verifier runs.
 
 What was read: the abstract (arXiv, ACL Anthology), the start of a third-party summary, and the authors' code

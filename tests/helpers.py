@@ -1,9 +1,13 @@
 """Shared test helpers: a method's shipped settings, and decoding a prompt with a named method on a pair."""
 
+from pathlib import Path
+
 import torch
 from omegaconf import OmegaConf
 
 from decoding.sampling import Sampling, probs_from_logits
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository
 from methods.registry import get_method
 
 

@@ -5,13 +5,13 @@ the registry walk and the schema walk apply to every shipped method."""
 import importlib.util
 import re
 import sys
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
 from methods.registry import get_method
 from tests.helpers import (
+    ROOT,
     assert_greedy_equal_to_ar,
     assert_sampling_is_the_targets,
     decode,
@@ -19,7 +19,7 @@ from tests.helpers import (
     repeating_prompt,
 )
 
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "adding-a-method.md"
+PAGE = ROOT / "docs" / "adding-a-method.md"
 
 
 def blocks(language):

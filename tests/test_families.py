@@ -1,6 +1,6 @@
 """Every registered method on every model family users bring, walked from the registry × the tiny family pairs.
 
-``pair=tiny`` (Llama-style) is walked by ``tests/test_methods.py``; here the same walk runs on random pairs of
+``pair=tiny`` (Llama-style) is walked by ``tests/methods/test_methods.py``; here the same walk runs on random pairs of
 the other families (``configs/pair/tiny_<family>.yaml``: target and draft of one family, the byte-level
 tokenizer): GPT-2 (learned absolute positions, Conv1D projections, a tied head), Qwen2 (q/k/v biases), Mistral
 (a sliding window) and Gemma (scaled embeddings, its own head_dim, a tied head). For each (family, method):
@@ -152,6 +152,7 @@ def test_refusals_come_before_any_model_loads(capsys):
     """Each refusal of :data:`REFUSED` is also what the command line says: one sentence, exit status 2."""
     from bench.__main__ import main
 
+    assert REFUSED, "nothing to check: the table of refused (method, family) pairs is empty"
     for (name, family), sentence in REFUSED.items():
         assert main(["run", f"pair=tiny_{family}", f"method={name}"]) == 2
         assert capsys.readouterr().err.strip() == f"error: {sentence}"

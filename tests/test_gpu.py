@@ -6,7 +6,7 @@ on the GPU under ``recipe=smoke``). What it checks:
 - the pair lands on the device in the asked dtype, and the packed CPU kernels stay off there;
 - fp32: every method of the registry on ``pair=tiny`` and the four ``tiny_<family>`` pairs decodes greedily and
   by sampling, and a lossless method's greedy output equals ``ar``'s token for token (the walk of
-  ``tests/test_families.py`` and ``tests/test_methods.py``, moved to the device);
+  ``tests/test_families.py`` and ``tests/methods/test_methods.py``, moved to the device);
 - bf16 (the harness's CUDA default): every method decodes; greedy outputs are not asserted equal, since a
   multi-token forward may round differently from one-token steps, which the harness's ``divergence`` column
   names per record (near-tie or not);

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
+
 LAYER = {"core": 0, "decoding": 1, "training": 1, "methods": 2, "bench": 3}
 
 

@@ -31,7 +31,7 @@ def test_tree_heads_equal_ar_greedy_on_default_pair(real_pair, name):
     """Tree verification on the real target; heads from a seconds-long recipe (equality must hold anyway)."""
     import dataclasses
 
-    from tests.test_heads import method_cfg
+    from tests.methods.heads.test_heads import method_cfg
 
     pair = dataclasses.replace(real_pair, roles={})
     cfg = method_cfg(name, recipe={"vocab": 2048})  # the pair's smoke recipe: 4096 teacher tokens

@@ -1,4 +1,4 @@
-"""KOALA beyond the registry walk (``tests/test_methods.py`` covers its defaults, base=eagle): the medusa base
+"""KOALA beyond the registry walk (``tests/methods/test_methods.py`` covers its defaults, base=eagle): the medusa base
 decodes losslessly, both bases train K layers against a discriminator, the discriminator's term pulls a head
 towards the target, the base methods' cached parts keep their keys, and bad input."""
 

@@ -14,8 +14,7 @@ from omegaconf import OmegaConf
 
 from core.artifacts import Artifact, load_or_build, model_fingerprint, report_of
 from core.errors import BenchError
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
 
 
 def text_artifact(builds: list, contents=lambda n: "42", **key) -> Artifact:

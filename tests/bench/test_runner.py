@@ -54,7 +54,7 @@ def test_lossy_mismatches_carry_their_divergence(compose_cfg, tmp_path):
     import math
 
     from bench.runner import run
-    from tests.test_sprinter import TINY_RECIPE
+    from tests.methods.test_sprinter import TINY_RECIPE
 
     overrides = [f"method.verifier.{k}={v}" for k, v in TINY_RECIPE.items()]
     cfg = compose_cfg("pair=tiny", "method=sprinter", "method.threshold=0", "max_new_tokens=12", "dataset.n_prompts=4",

@@ -74,7 +74,7 @@ def test_lossy_records_carry_quality(compose_cfg, tmp_path):
     """A sprinter run on the tiny pair: its records carry `quality`, ar's do not; the quality forward is not
     counted; the summary has quality columns for sprinter only."""
     from bench.runner import run
-    from tests.test_sprinter import TINY_RECIPE
+    from tests.methods.test_sprinter import TINY_RECIPE
 
     overrides = [f"method.verifier.{k}={v}" for k, v in TINY_RECIPE.items()]
     cfg = compose_cfg("pair=tiny", "method=sprinter", "max_new_tokens=12", "dataset.n_prompts=6", "warmup=0",

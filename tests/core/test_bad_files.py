@@ -10,7 +10,7 @@ from bench.__main__ import main
 from bench.results import previous_records
 from core import files
 from core.errors import BenchError
-from tests.test_study import _record, _write_run
+from tests.bench.test_study import _record, _write_run
 
 GOOD_QUESTION = {"question_id": 1, "category": "qa", "turns": ["Why is the sky blue?"]}
 

@@ -3,7 +3,6 @@
 settings; sampled output is distributed as the target's."""
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from core.errors import BenchError
 from decoding.ngram import BigramTable, CorpusNGrams, NGramIndex, load_corpus_ngrams
 from methods.registry import get_method
 from tests.helpers import (
+    ROOT,
     build,
     decode,
     method_cfg,
@@ -22,7 +22,7 @@ from tests.helpers import (
     with_drafts,
 )
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "method"
+CONFIGS = ROOT / "configs" / "method"
 
 
 @pytest.fixture(scope="module")

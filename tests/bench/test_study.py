@@ -20,8 +20,8 @@ from omegaconf import OmegaConf
 from bench.data import Prompt, encode, load_prompts, select
 from bench.results import read_records
 from core.errors import BenchError
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 needs_spec_bench = pytest.mark.skipif(not SPEC_BENCH.exists(), reason=f"Spec-Bench file not found at {SPEC_BENCH} (not shipped)")
 
@@ -374,7 +374,7 @@ def test_report_is_one_self_contained_page(synthetic, tmp_path):
     assert report_main([str(synthetic), "--out", str(tmp_path / "rep")]) == 0
     page = (tmp_path / "rep" / "report.html").read_text()
     assert page.count("<table") == 3  # summary, by category, provenance
-    assert page.count("data:image/png;base64,") == 7
+    assert page.count("data:image/png;base64,") == 8  # every figure of bench.plots.FIGURES the synthetic runs fill
     assert "src='http" not in page and 'src="http' not in page and "<link" not in page  # nothing external
     assert "0123456789" in page and "Test CPU" in page  # provenance
 

@@ -1,4 +1,4 @@
-"""GSD beyond the registry walk (``tests/test_methods.py`` covers its defaults): the graph's merge rule and its
+"""GSD beyond the registry walk (``tests/methods/test_methods.py`` covers its defaults): the graph's merge rule and its
 unrolling into the tree the target scores, the draft's level reads against plain scoring, the method on the tiny
 pair with and without merging (lossless, merges happen, reused nodes are scored, the draft's cache kept right)."""
 
@@ -150,4 +150,4 @@ def test_a_perfect_draft_has_its_chain_accepted(tiny_pair, looping_prompt):
     assert out.accept_lengths[:-1] == [5] * (len(out.accept_lengths) - 1)
 
 
-# Bad values of every gsd setting (type, range, NaN) are refused in one sentence by tests/test_schema.py's walk.
+# Bad values of every gsd setting (type, range, NaN) are refused in one sentence by tests/bench/test_schema.py's walk.

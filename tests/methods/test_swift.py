@@ -1,4 +1,4 @@
-"""SWIFT beyond the registry walk (``tests/test_methods.py`` covers its defaults), on the tiny pair (3 layers: only
+"""SWIFT beyond the registry walk (``tests/methods/test_methods.py`` covers its defaults), on the tiny pair (3 layers: only
 layer 1 may be skipped): the skipping forward against a hand-made one, the draft's cache left as the committed
 text, the online search running inside decoding and staying lossless, the cached search through the artifact
 cache, FLOPs of the skipping role, and bad input."""

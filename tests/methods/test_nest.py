@@ -11,8 +11,8 @@ import torch
 
 from core.corpus import lee_articles
 from core.errors import BenchError
+from tests.core.test_bad_files import assert_one_sentence, cli
 from tests.helpers import build, noisy_copy, run
-from tests.test_bad_files import assert_one_sentence, cli
 
 NEWS = {"corpus": "news"}  # the small datastore: 50 articles, ~23k tokens on the byte-level tiny tokenizer
 

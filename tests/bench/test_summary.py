@@ -10,7 +10,7 @@ import pytest
 from bench.study import load
 from bench.summary import display_table, summary_table
 from core import metrics
-from tests.test_study import _record, _write_run
+from tests.bench.test_study import _record, _write_run
 
 
 def _rows(path, **kw):

@@ -184,7 +184,7 @@ def test_roc_auc_by_hand():
 
 
 def test_cli_rejects_bad_threshold_before_loading(tmp_path, cache_dir):
-    from tests.test_cli import bench
+    from tests.bench.test_cli import bench
 
     res = bench("run", "pair=tiny", "method=sprinter", "method.threshold=-1", f"hydra.run.dir={tmp_path}",
                 cache_dir=cache_dir, timeout=300)
@@ -195,7 +195,7 @@ def test_cli_rejects_bad_threshold_before_loading(tmp_path, cache_dir):
 def test_cli_trains_verifier_and_prints_report(cache_dir):
     import json
 
-    from tests.test_cli import bench
+    from tests.bench.test_cli import bench
 
     recipe = [f"method.verifier.{k}={v}" for k, v in TINY_RECIPE.items()]
     res = bench("train", "method", "pair=tiny", "method=sprinter", *recipe, cache_dir=cache_dir, timeout=300)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
 
 
 def script(name, *args, cache_dir):
@@ -81,7 +81,7 @@ def test_learning_curve_trains_each_budget_and_the_report_draws_it(tmp_path, cac
     assert (folder / "learning_curve.png").stat().st_size > 0 and (folder / "learning_curve.pdf").exists()
 
     from bench.report_cli import report_main
-    from tests.test_study import _record, _write_run
+    from tests.bench.test_study import _record, _write_run
 
     runs = tmp_path / "runs"
     _write_run(runs / "a", [_record("ar", "p1", "qa", 1.0), _record("sd", "p1", "qa", 0.5, accept=[1], drafted=[2])])
@@ -118,3 +118,25 @@ def test_answer_agreement_counts_answer_tokens_only(tmp_path, cache_dir, tiny_pa
     rows = only_json(tmp_path)["rows"]
     assert [r["prompts"] for r in rows] == ["default prompts", "held-out, packaged text", "held-out, other kinds"]
     assert [r["n"] for r in rows] == [18, 2, 2] and all(0 <= r["answer_agreement"] <= 1 for r in rows)
+
+
+def test_results_page_holds_every_method_from_one_sweep(tmp_path, cache_dir):
+    """scripts/results_page.py: one resumable sweep of every registered method, then its table and figure written
+    between the page's markers (the text around them kept); run again, it finishes nothing new and rewrites the
+    same rows."""
+    from methods.registry import known_methods
+
+    page = tmp_path / "results.md"
+    page.write_text("# Results\n\nbefore\n\n<!-- results_page: begin -->\nold\n<!-- results_page: end -->\n\nafter\n")
+    args = ["--sweep", str(tmp_path / "sweep"), "--page", str(page), "--figure", str(tmp_path / "img" / "all.png"),
+            "pair=tiny", "recipe=smoke", "dataset.n_prompts=1", "max_new_tokens=4", "warmup=0"]
+    script("results_page.py", *args, cache_dir=cache_dir)
+    text = page.read_text()
+    assert text.startswith("# Results\n\nbefore\n\n<!-- results_page: begin -->") and text.endswith("after\n")
+    assert "\nold\n" not in text and (tmp_path / "img" / "all.png").stat().st_size > 0
+    rows = [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ")]
+    assert sorted({row.split(" ")[0] for row in rows} - {"label"}) == known_methods()
+    assert "![Median paired speedup of every method](img/all.png)" in text
+    again = script("results_page.py", *args, "--no-run", cache_dir=cache_dir)
+    assert "wrote" in again.stdout and [line for line in page.read_text().splitlines() if line.startswith("| ")] == \
+        [line for line in text.splitlines() if line.startswith("| ")]

@@ -1,4 +1,4 @@
-"""SPACE beyond the registry walk (``tests/test_methods.py`` covers its defaults), on the tiny pair: the auto-correct
+"""SPACE beyond the registry walk (``tests/methods/test_methods.py`` covers its defaults), on the tiny pair: the auto-correct
 layout scores exactly as plain sequential forwards, greedy equality for several k, one target forward per step
 with only committed text left in the KV cache, training that leaves the target untouched, the cached artifact,
 and bad input."""
@@ -141,7 +141,7 @@ def test_the_trained_embeddings_are_cached_with_their_report(compose_cfg, tmp_pa
 # --------------------------------------------------------------------------------------------- bad input
 
 
-# Bad values of every space setting (type, range, NaN) are refused in one sentence by tests/test_schema.py's walk.
+# Bad values of every space setting (type, range, NaN) are refused in one sentence by tests/bench/test_schema.py's walk.
 
 
 def test_a_store_too_short_for_a_group_is_one_sentence(compose_cfg):

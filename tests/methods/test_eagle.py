@@ -1,4 +1,4 @@
-"""EAGLE-2 beyond the registry walk (``tests/test_methods.py`` covers its defaults): the chain mode's lossless
+"""EAGLE-2 beyond the registry walk (``tests/methods/test_methods.py`` covers its defaults): the chain mode's lossless
 sampling, the draft cache holding true features only, the dynamic tree's expand-and-rerank, and bad input."""
 
 import copy

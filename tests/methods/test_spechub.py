@@ -1,4 +1,4 @@
-"""SpecHub beyond the registry walk (``tests/test_methods.py`` covers its defaults): the hub pair and its transport
+"""SpecHub beyond the registry walk (``tests/methods/test_methods.py`` covers its defaults): the hub pair and its transport
 plan (``decoding/verify.py``) exact by enumeration and by sampling, the acceptance formulas against measurement,
 when the hub beats RRS (and when it does not), and the method on the tiny pair with each verifier: lossless,
 one target forward and gamma draft forwards per step, the draft's cache kept right, bad input."""

@@ -12,6 +12,7 @@ from bench.cli import compose, show_main, sweep_jobs
 from bench.validate import RunSettings, checked
 from core.schema import Settings, bounds, describe_type, rows
 from methods.registry import get_method, known_methods
+from tests.helpers import ROOT
 
 TINY = ["pair=tiny", "dataset.n_prompts=1", "max_new_tokens=2"]
 
@@ -111,7 +112,7 @@ def test_cross_key_rules_are_named_validators(override, needle, capsys):
     (["method=sd", "pair.drafts=[]"], "method=sd runs a draft model but pair=tiny has none."),
     (["method=sd", "method.adaptive=true", "method.gamma_min=5", "method.gamma_max=2"], "gamma_min (5) must not exceed"),
     (["method.unknown=1"], "unknown key method.unknown; method=sd has: name, gamma, confidence,"),
-    (["+method.recipe.depth=1", "method=hydra"], "unknown key method.recipe.depth; method.recipe has: batch_size, lr, seed, num_heads,"),
+    (["+method.recipe.depth=1", "method=hydra"], "unknown key method.recipe.depth; method.recipe has: batch_size, lr, seed, epochs, num_heads,"),
     (["pair.target.config.hidden_sizes=3"], "config has keys LlamaConfig does not know: hidden_sizes"),
     (["pair.target.source=hf"], "pair.target.source='hf' is not allowed; it takes one of: hub, gguf_package, random."),
     (["dataset.template='Q: {question}'"], "template 'Q: {question}' cannot be filled"),
@@ -181,11 +182,10 @@ def test_the_readme_names_every_method():
     """The README's method table has a row for every shipped method, and so does the ``method`` row of the config
     groups in docs/configuration.md (both are written by hand; methods registered from elsewhere, like the docs'
     own example, are not shipped)."""
-    from pathlib import Path
 
     from methods.registry import get_method, known_methods
 
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
     table = (root / "README.md").read_text().split("\n## Methods\n", 1)[1].split("\n## ", 1)[0]
     rows = {line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| `")}
     groups = (root / "docs" / "configuration.md").read_text()
@@ -198,9 +198,8 @@ def test_the_readme_names_every_method():
 def test_the_settings_table_in_the_docs_is_shows_output(capsys):
     """The table of top-level settings in docs/configuration.md is what ``python -m bench show`` prints: it cannot
     drift."""
-    from pathlib import Path
 
-    page = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    page = (ROOT / "docs" / "configuration.md").read_text()
     table = page.split("<!-- python -m bench show -->\n", 1)[1].split("\n<!-- end show -->", 1)[0]
     show_main([])
     assert table.strip() in capsys.readouterr().out

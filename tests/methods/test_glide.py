@@ -1,4 +1,4 @@
-"""GliDe with CaPE beyond the registry walk (``tests/test_methods.py`` covers its defaults), on the tiny pair: the
+"""GliDe with CaPE beyond the registry walk (``tests/methods/test_methods.py`` covers its defaults), on the tiny pair: the
 teacher store's K/V extra, training's block mask against decoding's view of the target, the draft's cache under
 CaPE, lossless output with CaPE on and off, one target forward per step, and bad input."""
 

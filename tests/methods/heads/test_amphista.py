@@ -1,4 +1,4 @@
-"""Amphista beyond the registry walk (``tests/test_methods.py`` covers greedy equality and the sampling test at
+"""Amphista beyond the registry walk (``tests/methods/test_methods.py`` covers greedy equality and the sampling test at
 its defaults): untrained parts are Medusa's heads, the adaptation layers read each committed position once with
 the token after it, the roles are counted, training moves every new part, and bad settings."""
 
