@@ -1,6 +1,6 @@
 """Paper-style figures of saved results (``python -m bench plot``), each as PDF and PNG.
 
-Each figure function takes the loaded records (``bench.study.load``), the run.json provenances and the
+Each figure function takes the loaded records (``bench.saved.load``), the run.json provenances and the
 summary of those records (``bench.summary.summary_table``: every aggregate a figure shows comes from it), and
 returns a matplotlib figure, or a string saying why its data is absent (the figure is then skipped, not drawn
 empty).

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench import study, summary
+from bench import saved, summary
 from core.errors import BenchError
 
 
@@ -62,7 +62,7 @@ def table_main(argv: list[str]) -> int:
     args = _args("table", argv, _TABLE_FLAGS)
     if not 0 < args.ci < 1:
         raise BenchError(f"--ci must be in (0, 1), got {args.ci}.")
-    df, _ = study.load(args.results, args.baseline)
+    df, _ = saved.load(args.results, args.baseline)
     tables = {"summary": summary.summary_table(df, level=args.ci)}
     if args.by_category:
         tables["by_category"] = summary.summary_table(df, by_category=True, level=args.ci)
@@ -79,7 +79,7 @@ def plot_main(argv: list[str]) -> int:
     from bench.plots import make_figures
 
     args = _args("plot", argv)
-    df, runs = study.load(args.results, args.baseline)
+    df, runs = saved.load(args.results, args.baseline)
     res = make_figures(df, runs, args.out / "figures")
     for name in res["drawn"]:
         print(f"figure: {args.out / 'figures' / name}.{{pdf,png}}")
@@ -199,7 +199,7 @@ def report_main(argv: list[str]) -> int:
         curves += found
         if not found or (p.is_dir() and any(p.rglob("records.jsonl"))):
             runs_paths.append(str(p))
-    df, runs = study.load(runs_paths, args.baseline)
+    df, runs = saved.load(runs_paths, args.baseline)
     path = render_report(df, runs, args.out, args.ci, curves)
     print(f"report: {path}")
     return 0

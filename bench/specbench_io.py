@@ -64,7 +64,7 @@ def export_answers(run_dir: Path, out: Path) -> list[Path]:
     """Write the answer files of ``run_dir``'s records into ``out``; returns them."""
     import pandas as pd
 
-    from bench.study import labels
+    from bench.saved import labels
 
     records = [rec for f in files.record_files(Path(run_dir)) for rec in files.read_results_file(f)]
     df = pd.DataFrame([{k: v for k, v in rec.items() if not isinstance(v, (list, dict)) or k == "method_cfg"}

@@ -1,7 +1,7 @@
 """The one summary of saved records: ``python -m bench run`` prints it and stores it in run.json's
 ``summary``, ``python -m bench table`` writes it (csv, md, tex), and the figures and the HTML report read it.
 
-Input: the DataFrame of :func:`bench.study.load` (one row per record, each paired with its run's baseline
+Input: the DataFrame of :func:`bench.saved.load` (one row per record, each paired with its run's baseline
 record of the same prompt). Output: one row per label × pair × dataset (× category); every column is
 defined on the line that computes it, and the README's metric table says the same.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from bench import quality, study
+from bench import quality, saved
 from bench.results import clean_nan
 from core import metrics
 from core.errors import BenchError
@@ -145,7 +145,7 @@ def summary_table(df: pd.DataFrame, by_category: bool = False, level: float = 0.
 
 def run_summary(run_dir: Path, baseline: str | None = None, level: float = 0.95) -> pd.DataFrame:
     """The summary of one run directory's ``records.jsonl``, read back as ``python -m bench table`` reads it."""
-    df, _ = study.load([str(Path(run_dir) / RECORDS)], baseline)
+    df, _ = saved.load([str(Path(run_dir) / RECORDS)], baseline)
     return summary_table(df, level=level)
 
 

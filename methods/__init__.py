@@ -1,7 +1,7 @@
 """Decoding methods, one per file. Adding a new method (the README's "Adding a method" has a full example):
 
 1. Write ``methods/<name>.py`` with a subclass of :class:`methods.base.DraftVerify` decorated with
-   ``@register("<name>")``; implement ``propose`` (and ``setup``, ``start``, ``accepted``, ``figures``,
+   ``@register("<name>")``; implement ``propose`` (and ``setup``, ``start``, ``accepted``, ``extra``,
    ``check_pair`` or a lossy ``verify`` where the method needs them).
 2. Declare its settings in the same file: a nested ``class Config(MethodSettings)`` whose fields carry type,
    range, default and meaning (``Field(4, ge=1, description=...)``). ``method=<name>`` composes them (Hydra's

@@ -5,9 +5,9 @@
 - :class:`DraftVerify`: the loop of every draft-and-verify method: prefill, then per step ONE target forward
   over what the method proposes, verification, commit. A subclass says only what is its own:
   :meth:`~DraftVerify.propose` (and optionally :meth:`~DraftVerify.start`, :meth:`~DraftVerify.verify`,
-  :meth:`~DraftVerify.accepted`, :meth:`~DraftVerify.figures`).
-- :class:`Decoding`: one prompt's state, which the loop owns: the committed text, the target's KV cache (and
-  any cache a method registers with :meth:`~Decoding.track`), the token budget and the stop at EOS.
+  :meth:`~DraftVerify.accepted`, :meth:`~DraftVerify.extra`).
+- :class:`PromptState`: one prompt's state, which the loop owns: the committed text, the target's KV cache (and
+  any cache a method registers with :meth:`~PromptState.track`), the token budget and the stop at EOS.
 
 Invariant after every commit: each tracked cache holds at most the committed text minus its last token (the
 pending one, fed with the next step's proposal), so a rejected proposal is dropped, never recomputed.
@@ -40,7 +40,7 @@ class MethodSettings(Settings):
 
 
 @dataclass
-class Decoded:
+class DecodeOutput:
     """What one decode returns; timings and model calls are added by the harness, not by the method.
 
     ``output_ids``: the new tokens only (prompt excluded), at most ``max_new_tokens``.
@@ -133,7 +133,7 @@ class Method:
         sampling: Sampling,
         generator: torch.Generator | None,
         on_tokens: Callable[[int], None],
-    ) -> Decoded:
+    ) -> DecodeOutput:
         """Decode one prompt.
 
         Args:
@@ -162,13 +162,13 @@ class Draft:
 
     ``q``: ``FloatTensor (len(tree), vocab)``: row v is the distribution node v's token was drawn from, when
     sampling from a draft model (row 0 unused); ``None`` for a deterministic drafter (n-gram lookups, the
-    top-k of heads), whose q is one-hot. ``rows``: how many rows of logits the target must return, the last
+    top-k of heads), whose q is one-hot. ``logit_rows``: how many rows of logits the target must return, the last
     ones (0: all).
     """
 
     tree: Tree
     q: torch.Tensor | None = None
-    rows: int = 0
+    logit_rows: int = 0
 
     @classmethod
     def chain(cls, pending: int, tokens, q: torch.Tensor | None = None) -> Draft:
@@ -184,10 +184,10 @@ class Draft:
         return self.tree.max_depth
 
 
-class Decoding:
+class PromptState:
     """One prompt's decoding state; :class:`DraftVerify` owns it, methods read it.
 
-    ``seq``: prompt + committed tokens (a list); ``cache``: the target's KV cache; ``room``: tokens a method
+    ``seq``: prompt + committed tokens (a list); ``cache``: the target's KV cache; ``draft_budget``: tokens a method
     may still draft this step (the target's own token fills the last slot of the budget).
     """
 
@@ -211,7 +211,7 @@ class Decoding:
         return self.seq[self.prompt_len:]
 
     @property
-    def room(self) -> int:
+    def draft_budget(self) -> int:
         return self.max_new_tokens - len(self.seq) + self.prompt_len - 1
 
     def track(self, cache) -> None:
@@ -233,73 +233,78 @@ class Decoding:
         if drafted is not None:
             self.accept_lengths.append(len(tokens))
             self.drafted.append(drafted)
-        keep = min(len(tokens), self.room + 1)
+        keep = min(len(tokens), self.draft_budget + 1)
         eos = next((i for i, t in enumerate(tokens[:keep]) if t in self.method.eos_ids), None)
         if eos is not None:
             keep = eos + 1
         self.seq.extend(tokens[:keep])
-        self.done = eos is not None or self.room < 0
+        self.done = eos is not None or self.draft_budget < 0
         for cache in (self.cache, *self.caches):
             truncate_cache(cache, len(self.seq) - 1)
         self.on_tokens(keep)
 
-    def decoded(self, extra: dict | None = None) -> Decoded:
-        return Decoded(self.out, self.accept_lengths, self.drafted, extra or {})
+    def output(self, extra: dict | None = None) -> DecodeOutput:
+        return DecodeOutput(self.out, self.accept_lengths, self.drafted, extra or {})
 
 
 class DraftVerify(Method):
     """Draft-and-verify decoding: per step, ``propose`` a token tree (a chain is a tree of one path), the
     target scores all of it in ONE forward, ``verify`` keeps a root path, and the base commits it.
 
-    Set ``hidden = True`` to get the target's last hidden states: at the prefill (:attr:`Decoding.prompt_hidden`)
+    Per-prompt state lives on the state object, never on ``self`` (one method instance decodes every prompt):
+    a method with state of its own declares it as ``class State(PromptState)`` with annotated fields, sets them in
+    :meth:`start` and reads them in the other hooks.
+
+    Set ``hidden = True`` to get the target's last hidden states: at the prefill (:attr:`PromptState.prompt_hidden`)
     and for the accepted path (the ``hidden`` argument of :meth:`accepted`).
     """
 
     hidden: bool = False
+    State: type[PromptState] = PromptState  # one prompt's state; a method with its own subclasses it
 
-    def start(self, st: Decoding) -> None:
+    def start(self, state: PromptState) -> None:
         """Per-prompt set-up after the target's prefill, before its first token is committed (a draft's
         prefill, an index of the prompt); part of the timed decode."""
 
-    def propose(self, st: Decoding) -> Draft:
-        """The tokens to verify after ``st.seq``; at most ``st.room`` deep. An empty tree is a plain step."""
+    def propose(self, state: PromptState) -> Draft:
+        """The tokens to verify after ``state.seq``; at most ``state.draft_budget`` deep. An empty tree is a plain step."""
         raise NotImplementedError
 
-    def verify(self, st: Decoding, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
+    def verify(self, state: PromptState, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
         """``(path, next_token)``: accepted nodes from the root (0) and the target's token after them.
         ``logits``: ``(len(draft.tree), vocab)``, row v scoring the token after node v. Default: the shared
         lossless verifiers (:func:`decoding.verify.verify_chain` for a chain, else :func:`verify_tree`)."""
         if draft.tree.is_chain:
             tokens = torch.tensor(draft.tree.tokens[1:], dtype=torch.long, device=logits.device)
             q = draft.q[1:] if draft.q is not None else None
-            n, nxt = verify_chain(tokens, q, logits, st.sampling, st.generator)
+            n, nxt = verify_chain(tokens, q, logits, state.sampling, state.generator)
             return list(range(n + 1)), nxt
-        return verify_tree(draft.tree, logits, st.sampling, st.generator, draft.q)
+        return verify_tree(draft.tree, logits, state.sampling, state.generator, draft.q)
 
-    def accepted(self, st: Decoding, draft: Draft, path: list[int], hidden: torch.Tensor | None) -> None:
+    def accepted(self, state: PromptState, draft: Draft, path: list[int], hidden: torch.Tensor | None) -> None:
         """Called after each step's commit (``path`` includes the root; ``hidden``: ``(len(path), hidden)``
         of the path's nodes when ``self.hidden``): update indexes, tallies, the next step's inputs (no
-        need for those once ``st.done``)."""
+        need for those once ``state.done``)."""
 
-    def figures(self, st: Decoding) -> dict:
-        """Per-prompt method-specific figures for ``Decoded.extra`` (JSON-able)."""
+    def extra(self, state: PromptState) -> dict:
+        """Per-prompt method-specific figures for ``DecodeOutput.extra`` (JSON-able)."""
         return {}
 
-    def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> Decoded:
-        st = Decoding(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens)
+    def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> DecodeOutput:
+        state = self.State(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens)
         # The prefill: the whole prompt in one forward; only the last position needs logits.
-        out = self.pair.target(prompt_ids, st.cache, logits_to_keep=1, output_hidden_states=self.hidden)
-        st.prompt_hidden = out.hidden_states[-1][0] if self.hidden else None
-        self.start(st)
-        st.commit([int(next_token(out.logits[0, -1], sampling, generator))], drafted=None)
-        while not st.done:
-            draft = self.propose(st)
-            past = st.cache.get_seq_length()
+        out = self.pair.target(prompt_ids, state.cache, logits_to_keep=1, output_hidden_states=self.hidden)
+        state.prompt_hidden = out.hidden_states[-1][0] if self.hidden else None
+        self.start(state)
+        state.commit([int(next_token(out.logits[0, -1], sampling, generator))], drafted=None)
+        while not state.done:
+            draft = self.propose(state)
+            past = state.cache.get_seq_length()
             # ONE target forward scores the pending token and every proposed node.
-            keep = {"logits_to_keep": draft.rows} if draft.rows else {}
-            logits, hidden = score_tree(self.pair.target, st.cache, draft.tree, self.hidden, **keep)
-            path, nxt = self.verify(st, draft, logits)
-            keep_path(st.cache, past, path)  # the root and the accepted nodes; the new token is pending
-            st.commit([draft.tree.tokens[v] for v in path[1:]] + [nxt], drafted=draft.depth)
-            self.accepted(st, draft, path, hidden[path] if hidden is not None else None)
-        return st.decoded(self.figures(st))
+            keep = {"logits_to_keep": draft.logit_rows} if draft.logit_rows else {}
+            logits, hidden = score_tree(self.pair.target, state.cache, draft.tree, self.hidden, **keep)
+            path, nxt = self.verify(state, draft, logits)
+            keep_path(state.cache, past, path)  # the root and the accepted nodes; the new token is pending
+            state.commit([draft.tree.tokens[v] for v in path[1:]] + [nxt], drafted=draft.depth)
+            self.accepted(state, draft, path, hidden[path] if hidden is not None else None)
+        return state.output(self.extra(state))

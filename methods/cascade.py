@@ -37,7 +37,7 @@ from decoding.cache import truncate_cache
 from decoding.ngram import NGramIndex, load_bigram_table, ngram_sizes
 from decoding.sampling import probs_from_logits
 from decoding.verify import verify_chain
-from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
 
 # Default k-matrices by the number of levels (target, drafts..., statistical): row i lists how many tokens
@@ -213,27 +213,27 @@ class Cascade(DraftVerify):
 
     # --------------------------------------------------------------------------------------- the loop
 
-    def start(self, st: Decoding) -> None:
-        self.st = st
+    def start(self, state: PromptState) -> None:
+        self.st = state
         # Lenient inner reviews change what a level emits, so only greedy decoding may use them.
-        self.lenience = int(self.cfg.lenience) if st.sampling.greedy else 1
+        self.lenience = int(self.cfg.lenience) if state.sampling.greedy else 1
         self.index = NGramIndex(int(self.cfg.min_ngram), int(self.cfg.max_ngram))
-        self.index.add_document(st.seq)
+        self.index.add_document(state.seq)
         drafts = [ModelLevel(d, d.role) for d in self.pair.drafts[:2]]
         self.levels = [TargetLevel(), *drafts, StatLevel(self.index, self.bigram)]
         self.reviews: dict[str, dict] = {}
 
-    def propose(self, st: Decoding) -> Draft:
-        self.index.extend(st.seq[len(self.index):])
-        tokens, q_rows, self.sources = self.propose_for(0, st.seq, st.room)
-        q = None if st.sampling.greedy else q_matrix(torch.tensor(tokens, dtype=torch.long, device=st.device),
+    def propose(self, state: PromptState) -> Draft:
+        self.index.extend(state.seq[len(self.index):])
+        tokens, q_rows, self.sources = self.propose_for(0, state.seq, state.draft_budget)
+        q = None if state.sampling.greedy else q_matrix(torch.tensor(tokens, dtype=torch.long, device=state.device),
                                                       q_rows, self.pair.target.module.config.vocab_size)
-        return Draft.chain(st.seq[-1], tokens, q)
+        return Draft.chain(state.seq[-1], tokens, q)
 
-    def accepted(self, st: Decoding, draft: Draft, path: list[int], hidden) -> None:
+    def accepted(self, state: PromptState, draft: Draft, path: list[int], hidden) -> None:
         self.tally(0, self.sources, len(path) - 1)  # the target's review is always strict
 
-    def figures(self, st: Decoding) -> dict:
+    def extra(self, state: PromptState) -> dict:
         for stat in self.reviews.values():
             stat["accept_rate"] = ratio(stat["accepted"], stat["proposed"])  # proposed tokens the reviewer kept
         stat_level = self.levels[-1]

@@ -32,7 +32,7 @@ from decoding.cache import truncate_cache
 from decoding.sampling import draft_token
 from decoding.tree import Tree, additive_mask
 from methods._eagle_draft import CountedEagle, EagleRecipe, load_or_train_eagle
-from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
 from training.kit import check_store_keeps_hidden
 
@@ -79,64 +79,64 @@ class Eagle(DraftVerify):
 
     # ------------------------------------------------------------------------------------------- the loop
 
-    def start(self, st: Decoding) -> None:
+    def start(self, state: PromptState) -> None:
         if self.draft is None:
             self.setup(train_if_missing=False)
         self.cache = DynamicCache()  # the draft layer's: one entry per committed position it has read
-        self.todo = st.prompt_hidden  # (n, H) the target's features the draft has not read yet
+        self.todo = state.prompt_hidden  # (n, H) the target's features the draft has not read yet
         self.nodes: list[int] = []
 
-    def read_committed(self, st: Decoding) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_committed(self, state: PromptState) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the draft the features it has not read (positions ``read .. len(seq) - 2``, each with the
         token after it), after dropping its guesses of the last step. Returns the guessed feature at the
         pending token's position ``(H,)`` and the logits ``(V',)`` of the first draft token."""
-        read = len(st.seq) - 1 - len(self.todo)
+        read = len(state.seq) - 1 - len(self.todo)
         truncate_cache(self.cache, read)
-        tokens = torch.tensor(st.seq[read + 1 :], device=st.device)
+        tokens = torch.tensor(state.seq[read + 1 :], device=state.device)
         out, logits = self.draft(self.todo[None].to(self.pair.dtype), self.embed(tokens)[None], self.cache, rows=1)
-        self.todo, self.read = self.todo[:0], len(st.seq) - 1  # the cache's true entries; guesses follow them
+        self.todo, self.read = self.todo[:0], len(state.seq) - 1  # the cache's true entries; guesses follow them
         return out[0, -1], logits[0, -1]
 
-    def propose(self, st: Decoding) -> Draft:
-        depth = min(self.cfg.gamma if self.cfg.draft == "chain" else self.cfg.depth, st.room)
+    def propose(self, state: PromptState) -> Draft:
+        depth = min(self.cfg.gamma if self.cfg.draft == "chain" else self.cfg.depth, state.draft_budget)
         if depth <= 0:
-            return Draft(Tree(st.seq[-1]))
-        feat, logits = self.read_committed(st)
+            return Draft(Tree(state.seq[-1]))
+        feat, logits = self.read_committed(state)
         if self.cfg.draft == "chain":
-            draft = self.chain(st, feat, logits, depth)
+            draft = self.chain(state, feat, logits, depth)
         else:
-            draft = self.tree(st, feat, logits, depth)
+            draft = self.tree(state, feat, logits, depth)
         self.nodes.append(len(draft.tree))
         return draft
 
-    def accepted(self, st: Decoding, draft: Draft, path: list[int], hidden: torch.Tensor) -> None:
-        if not st.done:  # the true features of the root and the accepted nodes: read at the next step
+    def accepted(self, state: PromptState, draft: Draft, path: list[int], hidden: torch.Tensor) -> None:
+        if not state.done:  # the true features of the root and the accepted nodes: read at the next step
             self.todo = torch.cat([self.todo, hidden])
 
-    def figures(self, st: Decoding) -> dict:
+    def extra(self, state: PromptState) -> dict:
         return {"draft": self.cfg.draft,
                 "tree_tokens_per_call": sum(self.nodes) / len(self.nodes) if self.nodes else float("nan")}
 
     # ------------------------------------------------------------------------------------------- drafting
 
-    def chain(self, st: Decoding, feat: torch.Tensor, logits: torch.Tensor, k: int) -> Draft:
+    def chain(self, state: PromptState, feat: torch.Tensor, logits: torch.Tensor, k: int) -> Draft:
         """``k`` tokens, one draft forward each after the first: greedy, or sampled from the draft's
         distribution (``q`` then holds it over the full vocabulary, zero outside the draft's)."""
         tokens, qs = [], []
         vocab = self.pair.target.module.config.vocab_size
         for i in range(k):
-            token, q = draft_token(logits, self.vocab_map, vocab, st.sampling, st.generator)
+            token, q = draft_token(logits, self.vocab_map, vocab, state.sampling, state.generator)
             tokens.append(token)
             qs += [q] if q is not None else []
             if i + 1 < k:  # the draft reads its own guess and its token: a plain causal step
                 out, logits = self.draft(feat[None, None], self.embed(tokens[-1])[None, None], self.cache, rows=1)
                 feat, logits = out[0, -1], logits[0, -1]
-        return Draft.chain(st.seq[-1], torch.stack(tokens), torch.stack(qs) if qs else None)
+        return Draft.chain(state.seq[-1], torch.stack(tokens), torch.stack(qs) if qs else None)
 
-    def tree(self, st: Decoding, feat: torch.Tensor, logits: torch.Tensor, depth: int) -> Draft:
+    def tree(self, state: PromptState, feat: torch.Tensor, logits: torch.Tensor, depth: int) -> Draft:
         """EAGLE-2's expand-and-rerank, ``depth`` levels deep at most (see the module doc)."""
         k = min(int(self.cfg.top_k), logits.shape[-1])
-        tree = Tree(st.seq[-1])
+        tree = Tree(state.seq[-1])
         score = [0.0]  # cumulative draft log-probability of each node's path
         guessed = {0: feat}  # the draft's guessed feature at each expanded node
         level = self.grow(tree, score, [0], torch.log_softmax(logits.float(), -1)[None], k)
@@ -144,10 +144,10 @@ class Eagle(DraftVerify):
         fed: list[int] = []  # tree nodes in the draft cache after them, in order
         for _ in range(depth - 1):
             expand = sorted(level, key=lambda v: -score[v])[:k]
-            mask = additive_mask(tree.ancestry()[expand][:, fed + expand], read, self.pair.dtype, st.device)
-            positions = torch.tensor([[read - 1 + tree.depth[v] for v in expand]], device=st.device)
+            mask = additive_mask(tree.ancestry()[expand][:, fed + expand], read, self.pair.dtype, state.device)
+            positions = torch.tensor([[read - 1 + tree.depth[v] for v in expand]], device=state.device)
             feats = torch.stack([guessed[tree.parent[v]] for v in expand])[None]
-            tokens = torch.tensor([tree.tokens[v] for v in expand], device=st.device)
+            tokens = torch.tensor([tree.tokens[v] for v in expand], device=state.device)
             out, sub_logits = self.draft(feats, self.embed(tokens)[None], self.cache, rows=len(expand),
                                          attention_mask=mask, position_ids=positions)
             fed += expand
@@ -156,7 +156,7 @@ class Eagle(DraftVerify):
         # Rerank: the best total_tokens - 1 nodes by cumulative log-probability; ties go to the earlier node,
         # so a parent (never below its child) always comes first and the kept nodes form a tree.
         best = sorted(range(1, len(tree)), key=lambda v: (-score[v], v))[: int(self.cfg.total_tokens) - 1]
-        out_tree, new = Tree(st.seq[-1]), {0: 0}
+        out_tree, new = Tree(state.seq[-1]), {0: 0}
         for v in sorted(best):
             new[v] = out_tree.add_child(new[tree.parent[v]], tree.tokens[v], merge=False)
         return Draft(out_tree)

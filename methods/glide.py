@@ -3,7 +3,7 @@ Decoding"): a draft that glimpses the target's KV cache, and proposals expanded 
 
 - GliDe (:mod:`methods._glide_draft`): the draft's blocks cross-attend to the target's cached keys and values
   of one layer (the last by default). While decoding they are read straight from the target's KV cache,
-  ``st.cache``, which after each commit holds exactly the committed tokens minus the pending one: the context
+  ``state.cache``, which after each commit holds exactly the committed tokens minus the pending one: the context
   the target verified. The draft keeps a KV cache of its own over what it has read (rolled back with the
   target's).
 - CaPE (confidence-aware proposal expansion, ``cape: true``): the draft's top-1 chain of ``gamma`` tokens, and at
@@ -46,7 +46,7 @@ from methods._glide_draft import (
     decode_visible,
     load_or_train_glide,
 )
-from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
 from training.teacher import kv_layer
 
@@ -116,46 +116,46 @@ class Glide(DraftVerify):
 
     # ------------------------------------------------------------------------------------------- the loop
 
-    def start(self, st: Decoding) -> None:
+    def start(self, state: PromptState) -> None:
         if self.draft is None:
             self.setup(train_if_missing=False)
         self.cache = DynamicCache()  # the draft's own: one entry per position it has read
-        st.track(self.cache)
+        state.track(self.cache)
         self.past, self.chain_nodes = 0, [0]  # this step's pending position, and the tree nodes of its chain
         self.candidates: list[int] = []
         self.expanded: list[int] = []
 
-    def read(self, st: Decoding, tokens: list[int]) -> torch.Tensor:
+    def read(self, state: PromptState, tokens: list[int]) -> torch.Tensor:
         """Feed the draft ``tokens`` at the positions after its cache's, glimpsing the target's cache of the
         committed positions < p; returns the logits ``(V',)`` of the token after the last."""
-        p = st.cache.get_seq_length()
-        cached = st.cache.layers[self.layer]
+        p = state.cache.get_seq_length()
+        cached = state.cache.layers[self.layer]
         start = self.cache.get_seq_length()
-        positions = torch.arange(start, start + len(tokens), device=st.device)
+        positions = torch.arange(start, start + len(tokens), device=state.device)
         # Tokens read late (the prompt, a fully accepted draft's last token) see the target as training showed
         # them; the pending token and the drafted ones see all of the cache (None: no mask to build).
         visible = decode_visible(positions, p, int(self.cfg.recipe.block))[None] if start < p else None
-        emb = self.embed(torch.tensor([tokens], device=st.device))
+        emb = self.embed(torch.tensor([tokens], device=state.device))
         return self.draft(emb, positions, cached.keys, cached.values, visible, self.cache, rows=1)[0, -1]
 
-    def propose(self, st: Decoding) -> Draft:
-        k = min(int(self.cfg.gamma), st.room)
-        self.past, self.chain_nodes = st.cache.get_seq_length(), [0]  # the pending token's position; its node
+    def propose(self, state: PromptState) -> Draft:
+        k = min(int(self.cfg.gamma), state.draft_budget)
+        self.past, self.chain_nodes = state.cache.get_seq_length(), [0]  # the pending token's position; its node
         if k <= 0:
-            return Draft(Tree(st.seq[-1]))
+            return Draft(Tree(state.seq[-1]))
         # The committed tokens the draft has not read (after a fully accepted draft: its last), then the pending one.
-        logits = self.read(st, st.seq[self.cache.get_seq_length() :])
-        draft = self.cape(st, logits, k) if self.cfg.cape else self.chain(st, logits, k)
+        logits = self.read(state, state.seq[self.cache.get_seq_length() :])
+        draft = self.cape(state, logits, k) if self.cfg.cape else self.chain(state, logits, k)
         self.candidates.append(len(draft.tree) - 1)
         return draft
 
-    def accepted(self, st: Decoding, draft: Draft, path: list[int], hidden) -> None:
+    def accepted(self, state: PromptState, draft: Draft, path: list[int], hidden) -> None:
         # The draft read the pending token and its chain at positions past, past + 1, ...; a path that left the
         # chain at a CaPE sibling keeps only the entries before it (the commit dropped those past the text).
         on_chain = next((i for i, (v, c) in enumerate(zip(path, self.chain_nodes)) if v != c), len(path))
         truncate_cache(self.cache, self.past + on_chain)
 
-    def figures(self, st: Decoding) -> dict:
+    def extra(self, state: PromptState) -> dict:
         calls = len(self.candidates)
         return {"cape": bool(self.cfg.cape),
                 # Tokens proposed per target call (the pending one not counted), and positions CaPE expanded.
@@ -164,24 +164,24 @@ class Glide(DraftVerify):
 
     # ------------------------------------------------------------------------------------------- drafting
 
-    def chain(self, st: Decoding, logits: torch.Tensor, k: int) -> Draft:
+    def chain(self, state: PromptState, logits: torch.Tensor, k: int) -> Draft:
         """``k`` tokens, one draft forward each after the first: greedy, or sampled from the draft's distribution
         (``q`` then holds it over the full vocabulary, zero outside the draft's)."""
         tokens, qs = [], []
         vocab = self.pair.target.module.config.vocab_size
         for i in range(k):
-            token, q = draft_token(logits, self.vocab_map, vocab, st.sampling, st.generator)
+            token, q = draft_token(logits, self.vocab_map, vocab, state.sampling, state.generator)
             tokens.append(int(token))
             qs += [q] if q is not None else []
             if i + 1 < k:
-                logits = self.read(st, tokens[-1:])
+                logits = self.read(state, tokens[-1:])
         self.chain_nodes = list(range(k + 1))  # a chain's nodes are its positions
-        return Draft.chain(st.seq[-1], tokens, torch.stack(qs) if qs else None)
+        return Draft.chain(state.seq[-1], tokens, torch.stack(qs) if qs else None)
 
-    def cape(self, st: Decoding, logits: torch.Tensor, k: int) -> Draft:
+    def cape(self, state: PromptState, logits: torch.Tensor, k: int) -> Draft:
         """CaPE: the draft's top-1 chain of ``k`` tokens; where its top-1 probability is below ``cape_threshold``,
         its next ``cape_k`` tokens too, as siblings of that chain token (deterministic candidates: q = None)."""
-        tree, node, expanded = Tree(st.seq[-1]), 0, 0
+        tree, node, expanded = Tree(state.seq[-1]), 0, 0
         width = min(1 + int(self.cfg.cape_k), logits.shape[-1])
         for i in range(k):
             top = torch.softmax(logits.float(), -1).topk(width)
@@ -194,6 +194,6 @@ class Glide(DraftVerify):
             node = child
             self.chain_nodes.append(child)
             if i + 1 < k:
-                logits = self.read(st, ids[:1])
+                logits = self.read(state, ids[:1])
         self.expanded.append(expanded)
         return Draft(tree)

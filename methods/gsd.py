@@ -50,7 +50,7 @@ import torch
 from pydantic import Field
 
 from decoding.tree import Tree, keep_path, read_nodes
-from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
 
 
@@ -140,8 +140,8 @@ class GSD(DraftVerify):
         max_nodes: int = Field(100, ge=2, description="nodes of the graph, and of the tree the target scores, at "
                                "most (the authors' 100)")
 
-    def start(self, st: Decoding) -> None:
-        self.dcache = st.draft_cache(self.pair.draft)  # the draft reads the prompt: its cost, counted
+    def start(self, state: PromptState) -> None:
+        self.dcache = state.draft_cache(self.pair.draft)  # the draft reads the prompt: its cost, counted
         self.past = 0  # this step's pending position
         self.read: list[int] = []  # graph nodes the draft read this step, in cache order after the pending token
         self.graph: Graph | None = None
@@ -152,15 +152,15 @@ class GSD(DraftVerify):
 
     # ------------------------------------------------------------------------------------------- drafting
 
-    def propose(self, st: Decoding) -> Draft:
-        self.past = len(st.seq) - 1
+    def propose(self, state: PromptState) -> Draft:
+        self.past = len(state.seq) - 1
         self.read = []
-        graph = self.graph = Graph(st.seq[-1], int(self.cfg.repeat))
-        depth = min(int(self.cfg.max_depth), st.room)
+        graph = self.graph = Graph(state.seq[-1], int(self.cfg.repeat))
+        depth = min(int(self.cfg.max_depth), state.draft_budget)
         if depth <= 0:
             self.origin, self.own = [0], [True]
             return Draft(graph.tree)
-        pending = torch.tensor([st.seq[self.dcache.get_seq_length():]], device=st.device)
+        pending = torch.tensor([state.seq[self.dcache.get_seq_length():]], device=state.device)
         logits = self.pair.draft(pending, self.dcache, logits_to_keep=1).logits[0, -1:]
         level, forwards = [0], 1
         for d in range(depth):
@@ -172,7 +172,7 @@ class GSD(DraftVerify):
             logits = read_nodes(self.pair.draft, self.dcache, graph.tree, level, self.read, self.past)
             self.read = self.read + level
             forwards += 1
-        tree, self.origin, self.own = graph.unroll(int(self.cfg.max_nodes), st.room)
+        tree, self.origin, self.own = graph.unroll(int(self.cfg.max_nodes), state.draft_budget)
         t = self.tally
         t["graph_nodes"] += len(graph) - 1
         t["tree_nodes"] += len(tree) - 1
@@ -198,8 +198,8 @@ class GSD(DraftVerify):
 
     # ------------------------------------------------------------------------------------------- after a step
 
-    def verify(self, st: Decoding, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
-        path, nxt = super().verify(st, draft, logits)
+    def verify(self, state: PromptState, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
+        path, nxt = super().verify(state, draft, logits)
         if draft.depth:
             self.tally["steps"] += 1
             self.tally["accepted_through_link"] += not all(self.own[v] for v in path)
@@ -214,7 +214,7 @@ class GSD(DraftVerify):
             keep_path(self.dcache, self.past, kept)
         return path, nxt
 
-    def figures(self, st: Decoding) -> dict:
+    def extra(self, state: PromptState) -> dict:
         t = self.tally
         steps = max(t["steps"], 1)
         return {"graph_nodes_per_step": t["graph_nodes"] / steps,

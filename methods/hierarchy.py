@@ -33,7 +33,7 @@ from core.metrics import ratio
 from core.schema import Settings
 from decoding.ngram import NGramIndex, load_corpus_ngrams, ngram_sizes
 from decoding.tree import Tree
-from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
 
 Database = Literal["context", "model", "statistics"]
@@ -159,23 +159,23 @@ class Hierarchy(DraftVerify):
             return self.shared_index
         return self.index_of([out for p, out in self.model_docs if p != prompt])
 
-    def start(self, st: Decoding) -> None:
+    def start(self, state: PromptState) -> None:
         cfg = self.cfg
         self.context = NGramIndex(int(cfg.min_ngram), int(cfg.max_ngram))
-        self.context.add_document(st.seq)
-        model = self.model_index(tuple(st.seq)) if "model" in cfg.databases else None
+        self.context.add_document(state.seq)
+        model = self.model_index(tuple(state.seq)) if "model" in cfg.databases else None
         dbs = {"context": self.context if "context" in cfg.databases else None, "model": model, "statistics": self.stats}
         self.dbs = {name: dbs[name] for name in cfg.databases if dbs[name] is not None}  # in query order
         self.tally = {name: {"lookups": 0, "hits": 0, "proposed": 0, "accepted": 0} for name in cfg.databases}
 
-    def propose(self, st: Decoding) -> Draft:
-        self.context.extend(st.seq[len(self.context):])  # what was committed since the last step
-        k, n_cand = min(int(self.cfg.draft_len), st.room), int(self.cfg.num_candidates)
-        tree, found = Tree(st.seq[-1]), 0
+    def propose(self, state: PromptState) -> Draft:
+        self.context.extend(state.seq[len(self.context):])  # what was committed since the last step
+        k, n_cand = min(int(self.cfg.draft_len), state.draft_budget), int(self.cfg.num_candidates)
+        tree, found = Tree(state.seq[-1]), 0
         for name, db in self.dbs.items() if k > 0 else ():
             if found >= n_cand:
                 break
-            cands = db.continuations(st.seq, k, limit=n_cand - found)
+            cands = db.continuations(state.seq, k, limit=n_cand - found)
             self.tally[name]["lookups"] += 1
             self.tally[name]["hits"] += bool(cands)
             for cand in cands:
@@ -184,15 +184,15 @@ class Hierarchy(DraftVerify):
                 found += new > 0
         return Draft(tree)
 
-    def accepted(self, st: Decoding, draft: Draft, path: list[int], hidden) -> None:
+    def accepted(self, state: PromptState, draft: Draft, path: list[int], hidden) -> None:
         for v in path[1:]:
             self.tally[draft.tree.source[v]]["accepted"] += 1
 
-    def figures(self, st: Decoding) -> dict:
+    def extra(self, state: PromptState) -> dict:
         for fig in self.tally.values():
             fig["hit_rate"] = ratio(fig["hits"], fig["lookups"])  # lookups that returned a candidate
             fig["accept_rate"] = ratio(fig["accepted"], fig["proposed"])  # tree nodes it added that were kept
         return {
             "databases": self.tally,
-            "tree_nodes": ratio(sum(f["proposed"] for f in self.tally.values()), len(st.accept_lengths)),  # per call
+            "tree_nodes": ratio(sum(f["proposed"] for f in self.tally.values()), len(state.accept_lengths)),  # per call
         }

@@ -67,7 +67,7 @@ from methods._nest import (
     load_or_build_datastore,
     open_given,
 )
-from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
 
 NEST_CORPORA = Literal["news", "lee", "wiki", "news+wiki", "lee+wiki"]
@@ -172,7 +172,7 @@ class Nest(DraftVerify):
         end = min(len(text), pos + 1 + int(self.cfg.span_len))
         return [(int(text[q]), doc, q) for q in range(pos + 1, end)]
 
-    def choose(self, st: Decoding, mix: Mixture, row: int, span: list, kept_whole: bool) -> tuple[int, tuple | None]:
+    def choose(self, state: PromptState, mix: Mixture, row: int, span: list, kept_whole: bool) -> tuple[int, tuple | None]:
         """The token after the kept prefix (``mix`` row ``row``) and its source, ``None`` for the LM's own."""
         p, top = mix.p[row], int(mix.top[row])
         if span and kept_whole:  # a copied span kept whole goes on in its passage, checked like its tokens
@@ -184,19 +184,19 @@ class Nest(DraftVerify):
         if kept_whole and top >= 0 and float(mix.lam[row]) < float(self.cfg.delta) and self.passes(p, top_tok):
             self.gated += 1
             return top_tok, self.source(top)  # dynamic span selection: retrieval is confident, copy from there
-        if st.sampling.greedy:
+        if state.sampling.greedy:
             tok = int(p.argmax())
         else:
-            tok = int(sample(probs_from_logits(p.clamp_min(1e-38).log(), st.sampling), st.generator))
+            tok = int(sample(probs_from_logits(p.clamp_min(1e-38).log(), state.sampling), state.generator))
         # The mixture's own token: not copied, so not cited (even when it equals a neighbour's), and no copy starts.
         return tok, None
 
     # ------------------------------------------------------------------------------------------ the loop
 
-    def start(self, st: Decoding) -> None:
-        query = self.pair.tokenizer.decode(st.prompt_ids[0].tolist(), skip_special_tokens=True)
+    def start(self, state: PromptState) -> None:
+        query = self.pair.tokenizer.decode(state.prompt_ids[0].tolist(), skip_special_tokens=True)
         self.retrieved = self.store.retrieve(query, int(self.cfg.passages))
-        self.index = TokenIndex(self.store, self.retrieved, st.device)
+        self.index = TokenIndex(self.store, self.retrieved, state.device)
         self.plan: list[tuple[int, int, int]] = []  # (token, doc, position) to propose next
         self.span: list[tuple[int, int, int]] = []  # what this step proposed
         self.sources: list[tuple[int, int] | None] = [None]  # per committed token; the prefill's is the target's
@@ -205,13 +205,13 @@ class Nest(DraftVerify):
         self.gated = self.spans = self.spans_whole = self.span_tokens = self.span_kept = 0
         # The prefill's token is the target's own: not cited; copies start from the first verifying forward on.
 
-    def propose(self, st: Decoding) -> Draft:
-        self.span = self.plan[: max(st.room, 0)]
+    def propose(self, state: PromptState) -> Draft:
+        self.span = self.plan[: max(state.draft_budget, 0)]
         self.spans += bool(self.span)
         self.span_tokens += len(self.span)
-        return Draft.chain(st.seq[-1], [t for t, _, _ in self.span])
+        return Draft.chain(state.seq[-1], [t for t, _, _ in self.span])
 
-    def verify(self, st: Decoding, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
+    def verify(self, state: PromptState, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
         """Relaxed acceptance of the copied span; the next token from the mixture after the kept prefix."""
         mix = self.mixture(logits, self.states[0][0])
         kept = 0
@@ -219,13 +219,13 @@ class Nest(DraftVerify):
             if not self.passes(mix.p[i], tok):
                 break
             kept += 1
-        nxt, src = self.choose(st, mix, kept, self.span, kept_whole=kept == len(self.span))
+        nxt, src = self.choose(state, mix, kept, self.span, kept_whole=kept == len(self.span))
         self.step_sources = [(d, q) for _, d, q in self.span[:kept]] + [src]
         self.plan = self.continuation(*src) if src is not None else []
         return list(range(kept + 1)), nxt
 
-    def accepted(self, st: Decoding, draft: Draft, path: list[int], hidden) -> None:
-        committed = self.step_sources[: len(st.out) - len(self.sources)]  # the commit may stop at EOS / budget
+    def accepted(self, state: PromptState, draft: Draft, path: list[int], hidden) -> None:
+        committed = self.step_sources[: len(state.out) - len(self.sources)]  # the commit may stop at EOS / budget
         self.sources += committed
         for s in committed:
             if s is not None:
@@ -234,8 +234,8 @@ class Nest(DraftVerify):
             self.span_kept += len(path) - 1
             self.spans_whole += len(path) - 1 == len(self.span)
 
-    def figures(self, st: Decoding) -> dict:
-        srcs = self.sources[: len(st.out)]
+    def extra(self, state: PromptState) -> dict:
+        srcs = self.sources[: len(state.out)]
         cited = [s for s in srcs if s is not None]
         nearby = [None, *srcs, None]  # a cited token whose neighbour continues the same document is in a span
         in_spans = sum(1 for i, s in enumerate(srcs, 1) if s is not None and (
@@ -243,10 +243,10 @@ class Nest(DraftVerify):
         by_doc = Counter(doc for doc, _ in cited)
         docs = self.store.docs
         return {
-            "attribution_rate": ratio(len(cited), len(st.out)),  # output tokens copied from a cited passage
+            "attribution_rate": ratio(len(cited), len(state.out)),  # output tokens copied from a cited passage
             "attributed_tokens": len(cited),
             # the same, counting only runs of >= 2 consecutive tokens of one document (not one-token agreements)
-            "attribution_rate_spans": ratio(in_spans, len(st.out)),
+            "attribution_rate_spans": ratio(in_spans, len(state.out)),
             "sources": [{"doc": docs[d]["id"], "title": docs[d]["title"], "tokens": n} for d, n in by_doc.most_common()],
             "spans_proposed": self.spans,  # target calls that scored a copied span
             "spans_accepted": self.spans_whole,  # of those, spans kept whole

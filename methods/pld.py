@@ -14,7 +14,7 @@ from pydantic import Field, model_validator
 
 from core.metrics import ratio
 from decoding.ngram import NGramIndex, ngram_sizes
-from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
 
 
@@ -31,21 +31,21 @@ class PLD(DraftVerify):
         def sizes(self):
             return ngram_sizes(self)
 
-    def start(self, st: Decoding) -> None:
+    def start(self, state: PromptState) -> None:
         self.index = NGramIndex(int(self.cfg.min_ngram), int(self.cfg.max_ngram))
-        self.index.add_document(st.seq)
+        self.index.add_document(state.seq)
         self.lookups = self.hits = 0
 
-    def propose(self, st: Decoding) -> Draft:
-        self.index.extend(st.seq[len(self.index):])  # what was committed since the last step
-        k = min(int(self.cfg.draft_len), st.room)
-        found = self.index.continuations(st.seq, k) if k > 0 else []
+    def propose(self, state: PromptState) -> Draft:
+        self.index.extend(state.seq[len(self.index):])  # what was committed since the last step
+        k = min(int(self.cfg.draft_len), state.draft_budget)
+        found = self.index.continuations(state.seq, k) if k > 0 else []
         self.lookups += k > 0
         self.hits += bool(found)
-        return Draft.chain(st.seq[-1], found[0] if found else [])
+        return Draft.chain(state.seq[-1], found[0] if found else [])
 
-    def figures(self, st: Decoding) -> dict:
-        proposed, accepted = sum(st.drafted), sum(a - 1 for a in st.accept_lengths)
+    def extra(self, state: PromptState) -> dict:
+        proposed, accepted = sum(state.drafted), sum(a - 1 for a in state.accept_lengths)
         return {
             "lookups": self.lookups,  # steps that looked for a match (a draft was allowed)
             "hit_rate": ratio(self.hits, self.lookups),  # lookups that found a continuation

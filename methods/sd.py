@@ -2,18 +2,19 @@
 
 Each step the draft proposes ``gamma`` tokens autoregressively; the target scores the pending token and all
 of them in ONE forward; :func:`decoding.verify.verify_chain` keeps the longest valid prefix and adds the
-target's own next token. The draft's KV cache is rolled back with the target's (:class:`methods.base.Decoding`),
+target's own next token. The draft's KV cache is rolled back with the target's (:class:`methods.base.PromptState`),
 never recomputed. Lossless: greedy output equals ``ar``; sampled output is distributed as the target's.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
 from pydantic import Field, model_validator
 
 from core import metrics
 from decoding.sampling import probs_from_logits, sample
-from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
 
 
@@ -71,21 +72,27 @@ class SD(DraftVerify):
         """Leviathan et al. (2023), Theorem 3.8, with the measured alpha, mean gamma and cost ratio c."""
         return metrics.analytic_speedup(alpha, gamma, c)
 
-    def start(self, st: Decoding) -> None:
-        self.dcache = st.draft_cache(self.pair.draft)  # the draft reads the prompt too: its cost, counted
-        self.gamma = int(self.cfg.gamma)
+    class State(PromptState):
+        """One prompt's drafting: the draft's KV cache and the draft length of the next step."""
 
-    def propose(self, st: Decoding) -> Draft:
-        k = min(self.gamma, st.room)
+        dcache: DynamicCache
+        gamma: int
+
+    def start(self, state: State) -> None:
+        state.dcache = state.draft_cache(self.pair.draft)  # the draft reads the prompt too: its cost, counted
+        state.gamma = self.cfg.gamma
+
+    def propose(self, state: State) -> Draft:
+        k = min(state.gamma, state.draft_budget)
         if k <= 0:
-            return Draft.chain(st.seq[-1], [])
-        pending = st.seq[self.dcache.get_seq_length():]
-        tokens, q = draft_chain(self.pair.draft, self.dcache, pending, k, st.sampling, st.generator, st.device,
-                                float(self.cfg.confidence))
-        return Draft.chain(st.seq[-1], tokens, q)
+            return Draft.chain(state.seq[-1], [])
+        pending = state.seq[state.dcache.get_seq_length():]
+        tokens, q = draft_chain(self.pair.draft, state.dcache, pending, k, state.sampling, state.generator,
+                                state.device, self.cfg.confidence)
+        return Draft.chain(state.seq[-1], tokens, q)
 
-    def accepted(self, st: Decoding, draft: Draft, path: list[int], hidden) -> None:
+    def accepted(self, state: State, draft: Draft, path: list[int], hidden) -> None:
         if self.cfg.adaptive:
             # Hugging Face's heuristic schedule: lengthen after a full accept, shorten otherwise.
             full = len(path) - 1 == draft.depth
-            self.gamma = min(self.gamma + 2, int(self.cfg.gamma_max)) if full else max(self.gamma - 1, int(self.cfg.gamma_min))
+            state.gamma = min(state.gamma + 2, self.cfg.gamma_max) if full else max(state.gamma - 1, self.cfg.gamma_min)

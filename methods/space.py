@@ -61,7 +61,7 @@ from decoding.sampling import next_token
 from decoding.tree import Tree, keep_path, score_tree
 from decoding.verify import verify_chain
 from methods._space import SpaceRecipe, load_or_train_space
-from methods.base import Decoded, Decoding, DraftVerify, MethodSettings
+from methods.base import DecodeOutput, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
 
 MASK = -1  # the token a mask slot holds in a layout's tree (its input is a trained embedding, not a token)
@@ -146,50 +146,50 @@ class Space(DraftVerify):
 
     # ------------------------------------------------------------------------------------------- the loop
 
-    def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> Decoded:
+    def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> DecodeOutput:
         # Not DraftVerify's loop: the prefill itself carries a mask group, and each step's candidates come from the
         # previous step's forward, not from a propose() before it. The commit and cache rules are the base's.
         if self.embeddings is None:
             self.setup(train_if_missing=False)
-        st = Decoding(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens)
+        state = PromptState(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens)
         k = int(self.cfg.masks)
         self.tried, self.hits, self.scored = [0] * k, [0] * k, []
         # The prefill: the prompt, then one group of masks (causal: each mask sees the prompt and the masks
         # before it). Its last k + 1 rows: the target's first token, then the first candidates.
-        with self.masked(st.seq + [MASK] * k) as ids:
-            logits = self.pair.target(ids, st.cache, logits_to_keep=k + 1).logits[0]
+        with self.masked(state.seq + [MASK] * k) as ids:
+            logits = self.pair.target(ids, state.cache, logits_to_keep=k + 1).logits[0]
         candidates = logits[1:].argmax(-1).tolist()
-        st.commit([int(next_token(logits[0], sampling, generator))], drafted=None)  # the masks' KV is cut here
-        while not st.done:
-            candidates = self.step(st, candidates[: max(st.room, 0)])
-        return st.decoded(self.figures(st))
+        state.commit([int(next_token(logits[0], sampling, generator))], drafted=None)  # the masks' KV is cut here
+        while not state.done:
+            candidates = self.step(state, candidates[: max(state.draft_budget, 0)])
+        return state.output(self.extra(state))
 
-    def step(self, st: Decoding, candidates: list[int]) -> list[int]:
+    def step(self, state: PromptState, candidates: list[int]) -> list[int]:
         """ONE target forward over the layout of ``candidates`` (as many as the budget leaves room for): verify
         them, commit, and return the next candidates (the masks' argmax of the group after the accepted ones)."""
         k, a = int(self.cfg.masks), len(candidates)
         # With no room left the target's own token is the last one: no candidates to verify, none to make.
-        tree, chain, groups = layout(st.seq[-1], candidates, k if st.room > 0 else 0)
-        past = st.cache.get_seq_length()
+        tree, chain, groups = layout(state.seq[-1], candidates, k if state.draft_budget > 0 else 0)
+        past = state.cache.get_seq_length()
         with self.masked(tree.tokens) as ids:
-            logits, _ = score_tree(self.pair.target, st.cache, tree.fill(ids[0].tolist()))
+            logits, _ = score_tree(self.pair.target, state.cache, tree.fill(ids[0].tolist()))
         tokens = torch.tensor(candidates, dtype=torch.long, device=logits.device)
         # Lossless: the longest prefix the target accepts (greedy match, or speculative sampling with one-hot q:
         # the candidates are deterministic), then its own token.
-        n, nxt = verify_chain(tokens, None, logits[chain], st.sampling, st.generator)
+        n, nxt = verify_chain(tokens, None, logits[chain], state.sampling, state.generator)
         for j in range(min(n + 1, a)):  # candidate j was tested when the j before it were accepted
             self.tried[j] += 1
             self.hits[j] += j < n
         self.scored.append(len(tree))
-        keep_path(st.cache, past, chain[: n + 1])  # the pending token and the accepted candidates; no mask
-        st.commit(candidates[:n] + [nxt], drafted=a)
+        keep_path(state.cache, past, chain[: n + 1])  # the pending token and the accepted candidates; no mask
+        state.commit(candidates[:n] + [nxt], drafted=a)
         return logits[groups[n]].argmax(-1).tolist() if groups[n] else []
 
-    def figures(self, st: Decoding) -> dict:
-        calls = len(st.accept_lengths)
+    def extra(self, state: PromptState) -> dict:
+        calls = len(state.accept_lengths)
         return {
             # candidates accepted per target call after the prefill (the target's own token not counted)
-            "accepted_per_call": ratio(sum(st.accept_lengths) - calls, calls),
+            "accepted_per_call": ratio(sum(state.accept_lengths) - calls, calls),
             # per mask position j: accepted / tested (tested: offered with c_0 .. c_{j-1} accepted)
             "acceptance_by_mask": [ratio(h, t) for h, t in zip(self.hits, self.tried)],
             # tokens the target scores per call after the prefill: (k + 1)^2 with a full set of candidates

@@ -72,7 +72,7 @@ from decoding.verify import (
     rrs_acceptance,
     verify_hub,
 )
-from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
 
 
@@ -109,9 +109,9 @@ class SpecHub(DraftVerify):
                                  "draft's top token with one other draft; use verifier=rrs or rrs_wo for more.")
             return self
 
-    def start(self, st: Decoding) -> None:
+    def start(self, state: PromptState) -> None:
         # The draft reads the prompt once (its cost, counted); afterwards only what it has not read.
-        self.dcache = st.draft_cache(self.pair.draft)
+        self.dcache = state.draft_cache(self.pair.draft)
         self.k, self.gamma = int(self.cfg.drafts), int(self.cfg.gamma)
         self.past = 0  # this step's pending position, where the draft's tree starts
         self.root_q: torch.Tensor | None = None  # the draft's q at the pending token, (vocab,); None when greedy
@@ -123,60 +123,60 @@ class SpecHub(DraftVerify):
 
     # ------------------------------------------------------------------------------------------- drafting
 
-    def propose(self, st: Decoding) -> Draft:
-        depth = min(self.gamma, st.room)
-        self.past = len(st.seq) - 1
-        tree = Tree(st.seq[-1])
+    def propose(self, state: PromptState) -> Draft:
+        depth = min(self.gamma, state.draft_budget)
+        self.past = len(state.seq) - 1
+        tree = Tree(state.seq[-1])
         if depth <= 0:
             return Draft(tree)
-        pending = torch.tensor([st.seq[self.dcache.get_seq_length():]], device=st.device)
+        pending = torch.tensor([state.seq[self.dcache.get_seq_length():]], device=state.device)
         logits = self.pair.draft(pending, self.dcache, logits_to_keep=1).logits[0, -1]
-        tokens, rows = self.first_tokens(st, logits)
+        tokens, rows = self.first_tokens(state, logits)
         level = [tree.add_child(0, t, merge=False) for t in tokens]
         for _ in range(depth - 1):
             # The draft reads the tree level by level: the levels above are in its cache, in node order.
             logits = read_nodes(self.pair.draft, self.dcache, tree, level, list(range(1, level[0])), self.past)
-            if st.sampling.greedy:
+            if state.sampling.greedy:
                 nxt = logits.argmax(-1)
             else:
-                q = probs_from_logits(logits, st.sampling)
-                nxt = sample(q, st.generator)
+                q = probs_from_logits(logits, state.sampling)
+                nxt = sample(q, state.generator)
                 rows += list(q)
             level = [tree.add_child(v, t, merge=False) for v, t in zip(level, nxt.tolist())]
         q = torch.stack([rows[0].new_zeros(rows[0].shape), *rows]) if rows else None  # row 0: the root, unused
         return Draft(tree, q)
 
-    def first_tokens(self, st: Decoding, logits: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
+    def first_tokens(self, state: PromptState, logits: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
         """The k sequences' first tokens after the pending one, and the row of q each is verified with (none when
         greedy). ``logits (vocab,)``: the draft's at the pending token."""
-        if st.sampling.greedy:
+        if state.sampling.greedy:
             self.root_q, self.root_top = None, hub_token(logits)
             return logits.topk(min(self.k, logits.shape[-1])).indices.tolist(), []
-        q = self.root_q = probs_from_logits(logits, st.sampling)
+        q = self.root_q = probs_from_logits(logits, state.sampling)
         self.root_top = hub_token(q)  # the hub, as draw_hub_pair and verify_hub find it
         if self.cfg.verifier == "rrs_wo":
-            return draw_without_replacement(q, self.k, st.generator)
+            return draw_without_replacement(q, self.k, state.generator)
         if self.cfg.verifier == "hub":
-            tokens = draw_hub_pair(q, st.generator) if self.k == 2 else [int(sample(q, st.generator))]
+            tokens = draw_hub_pair(q, state.generator) if self.k == 2 else [int(sample(q, state.generator))]
         else:
-            tokens = sample(q.expand(self.k, -1), st.generator).tolist()
+            tokens = sample(q.expand(self.k, -1), state.generator).tolist()
         return tokens, [q] * len(tokens)  # a hub pair: both rows hold the q its joint distribution is built on
 
     # ------------------------------------------------------------------------------------------- verifying
 
-    def verify(self, st: Decoding, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
+    def verify(self, state: PromptState, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
         if self.cfg.verifier == "hub":
-            path, nxt = verify_hub(draft.tree, logits, st.sampling, st.generator, draft.q)
+            path, nxt = verify_hub(draft.tree, logits, state.sampling, state.generator, draft.q)
         else:
-            path, nxt = super().verify(st, draft, logits)  # RRS over each node's children (verify_tree)
+            path, nxt = super().verify(state, draft, logits)  # RRS over each node's children (verify_tree)
         if draft.depth:
-            self.tally(st, draft, logits, path)
+            self.tally(state, draft, logits, path)
             # The draft read the nodes above the leaves; keep the accepted ones' entries, in order, before the
             # commit rolls its cache back to the committed text (which they then are).
             keep_path(self.dcache, self.past, path[: draft.depth])
         return path, nxt
 
-    def tally(self, st: Decoding, draft: Draft, logits: torch.Tensor, path: list[int]) -> None:
+    def tally(self, state: PromptState, draft: Draft, logits: torch.Tensor, path: list[int]) -> None:
         """Which root draft was kept; and, when sampling two drafts, both schemes' expected root acceptance on
         this very context (the same p and q: a paired comparison, free of sampling noise)."""
         self.calls += 1
@@ -184,13 +184,13 @@ class SpecHub(DraftVerify):
             self.kept_by_draft[draft.tree.children[0].index(path[1])] += 1
             self.kept_top += draft.tree.tokens[path[1]] == self.root_top
         if self.root_q is not None and self.k == 2:
-            p = probs_from_logits(logits[0], st.sampling)
+            p = probs_from_logits(logits[0], state.sampling)
             self.expected["hub"].append(hub_acceptance(p, self.root_q))
             self.expected["rrs"].append(rrs_acceptance(p, self.root_q, 2))
 
-    def figures(self, st: Decoding) -> dict:
+    def extra(self, state: PromptState) -> dict:
         kept = sum(self.kept_by_draft)
-        steps = st.accept_lengths
+        steps = state.accept_lengths
 
         def mean(xs):
             return sum(xs) / len(xs) if xs else float("nan")

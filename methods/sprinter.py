@@ -38,7 +38,7 @@ from methods._sprinter_verifier import (
     load_or_train_verifier,
     verifier_dir,
 )
-from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
 
 
@@ -62,15 +62,15 @@ class Sprinter(DraftVerify):
                              f"{expected}; delete {verifier_dir(self.pair, self.cfg.verifier)} to retrain it.")
         self.verifier = self.pair.add(CountedModule(model.to(self.pair.device), "verifier"))
 
-    def draft_run(self, st: Decoding, limit: int):
-        """Draft up to ``limit`` tokens after ``st.seq``, stopping at the first token the verifier flags.
+    def draft_run(self, state: PromptState, limit: int):
+        """Draft up to ``limit`` tokens after ``state.seq``, stopping at the first token the verifier flags.
 
         Returns ``(tokens, q_last, why)``: the drafted token ids, the distribution the last one was drawn
         from (``FloatTensor (vocab,)``, ``None`` when greedy) and why the run ended (``flagged``,
         ``max_run``, ``eos`` or ``budget``). The last token is the one the target will check.
         """
-        threshold, use_probs, sampling = float(self.cfg.threshold), bool(self.cfg.verifier.probs), st.sampling
-        x = torch.tensor([st.seq[self.dcache.get_seq_length():]], device=st.device)
+        threshold, use_probs, sampling = float(self.cfg.threshold), bool(self.cfg.verifier.probs), state.sampling
+        x = torch.tensor([state.seq[self.dcache.get_seq_length():]], device=state.device)
         tokens, q = [], None
         for i in range(limit):
             logits, hidden = draft_forward(self.pair.draft, x, self.dcache, logits_to_keep=1)
@@ -79,7 +79,7 @@ class Sprinter(DraftVerify):
                 tok = logits.argmax(-1)
             else:
                 q = probs_from_logits(logits, sampling)
-                tok = sample(q, st.generator)
+                tok = sample(q, state.generator)
             tokens.append(int(tok))
             if i == limit - 1:
                 # The target checks this token anyway: no need to ask the verifier.
@@ -96,31 +96,31 @@ class Sprinter(DraftVerify):
     def trains(cls, pair_spec) -> bool:
         return True  # the verifier
 
-    def start(self, st: Decoding) -> None:
-        self.dcache = st.draft_cache(self.pair.draft)  # the draft reads the prompt: its cost
+    def start(self, state: PromptState) -> None:
+        self.dcache = state.draft_cache(self.pair.draft)  # the draft reads the prompt: its cost
         self.stats = Counter()
 
-    def propose(self, st: Decoding) -> Draft:
+    def propose(self, state: PromptState) -> Draft:
         # Never draft past the budget: the target's own token fills the last slot.
-        tokens, self.q_last, why = self.draft_run(st, min(int(self.cfg.max_run), st.room))
+        tokens, self.q_last, why = self.draft_run(state, min(int(self.cfg.max_run), state.draft_budget))
         self.stats[f"runs_{why}"] += 1
         # ONE target forward over the pending token and the run; only the last two rows are needed:
         # the row scoring the last drafted token and the bonus row after it.
-        return Draft(Tree.chain(st.seq[-1], tokens), rows=min(2, len(tokens) + 1))
+        return Draft(Tree.chain(state.seq[-1], tokens), logit_rows=min(2, len(tokens) + 1))
 
-    def verify(self, st: Decoding, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
+    def verify(self, state: PromptState, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
         k = draft.depth
         if k == 0:
-            return [0], int(next_token(logits[-1], st.sampling, st.generator))
+            return [0], int(next_token(logits[-1], state.sampling, state.generator))
         q = self.q_last.unsqueeze(0) if self.q_last is not None else None
         # The SD rule on the last token only; the k - 1 before it are committed unchecked.
         last = torch.tensor(draft.tree.tokens[-1:], device=logits.device)
-        n, nxt = verify_chain(last, q, logits, st.sampling, st.generator)
+        n, nxt = verify_chain(last, q, logits, state.sampling, state.generator)
         self.stats["checked_rejected"] += 1 - n
         self.stats["unchecked_tokens"] += k - 1
         return list(range(k + n)), nxt
 
-    def figures(self, st: Decoding) -> dict:
+    def extra(self, state: PromptState) -> dict:
         return {
             # Drafted tokens committed without any target check (counted before the EOS / budget cut).
             "unchecked_tokens": self.stats["unchecked_tokens"],

@@ -47,7 +47,7 @@ from methods._swift import (
     n_layers_of,
     prompt_cache,
 )
-from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
 
 CONFIDENCE_BANDS = (0.95, 0.8, 0.5)  # the paper's: a top-1 probability above each picks widths[0], [1], [2]
@@ -122,73 +122,73 @@ class Swift(DraftVerify):
         start.check(self.n_layers, f"method.search={self.cfg.search}'s skip set")
         self.draft_lm.use(start)
 
-    def start(self, st: Decoding) -> None:
+    def start(self, state: PromptState) -> None:
         self.steps = self.search_iters = 0
         self.search_s, self.window_cache = 0.0, None
         self.chain_lens, self.candidates = [], []
 
     # ------------------------------------------------------------------------------------------ the search
 
-    def search_step(self, st: Decoding) -> None:
+    def search_step(self, state: PromptState) -> None:
         """One iteration of the online search, on this prompt's first ``context_window + 1`` generated tokens."""
-        window = st.out[: int(self.cfg.context_window) + 1]
+        window = state.out[: int(self.cfg.context_window) + 1]
 
         def score(cand: SkipSet) -> float:
             if self.window_cache is None:  # the prompt's KV, copied once per prompt (on the search's clock)
-                self.window_cache = prompt_cache(st.cache, st.prompt_len)
+                self.window_cache = prompt_cache(state.cache, state.prompt_len)
             self.search_lm.use(cand)
             return matchness(self.search_lm, self.window_cache, window)
 
         before = self.search.seconds
-        if self.search.step(score, st.device):
+        if self.search.step(score, state.device):
             self.draft_lm.use(self.search.best)
         self.search_iters += 1
         self.search_s += self.search.seconds - before
 
     # ------------------------------------------------------------------------------------------- drafting
 
-    def propose(self, st: Decoding) -> Draft:
+    def propose(self, state: PromptState) -> Draft:
         searching = self.search is not None and not self.search.done
-        if searching and len(st.out) > int(self.cfg.context_window) + 1 and self.steps % int(self.cfg.search_every) == 0:
-            self.search_step(st)
+        if searching and len(state.out) > int(self.cfg.context_window) + 1 and self.steps % int(self.cfg.search_every) == 0:
+            self.search_step(state)
         self.steps += 1
-        k = min(int(self.cfg.max_draft), st.room)
+        k = min(int(self.cfg.max_draft), state.draft_budget)
         if k <= 0:
-            return Draft.chain(st.seq[-1], [])
-        chain, confidences, rows = self.draft_chain(st, k)
-        draft = self.tree(st, chain, confidences, rows)
+            return Draft.chain(state.seq[-1], [])
+        chain, confidences, rows = self.draft_chain(state, k)
+        draft = self.tree(state, chain, confidences, rows)
         self.chain_lens.append(len(chain))
         self.candidates.append(len(draft.tree) - 1)
         return draft
 
-    def draft_chain(self, st: Decoding, k: int) -> tuple[list[int], list[float], list[torch.Tensor]]:
+    def draft_chain(self, state: PromptState, k: int) -> tuple[list[int], list[float], list[torch.Tensor]]:
         """Up to ``k`` tokens from the skipping target, each its argmax or a sample, stopping after one whose
         (untempered) probability is below ``confidence``. Returns the tokens, those probabilities and per
         token the logits (greedy) or the distribution it was drawn from (sampling), ``(vocab,)`` each."""
-        past = st.cache.get_seq_length()
-        x, chain, confidences, rows = st.seq[-1], [], [], []
+        past = state.cache.get_seq_length()
+        x, chain, confidences, rows = state.seq[-1], [], [], []
         for _ in range(k):
-            logits = self.draft_lm(torch.tensor([[x]], device=st.device), st.cache, logits_to_keep=1).logits[0, -1]
+            logits = self.draft_lm(torch.tensor([[x]], device=state.device), state.cache, logits_to_keep=1).logits[0, -1]
             p = torch.softmax(logits.float(), -1)
-            if st.sampling.greedy:
+            if state.sampling.greedy:
                 x, row = int(p.argmax()), logits
             else:
-                row = probs_from_logits(logits, st.sampling)
-                x = int(sample(row, st.generator))
+                row = probs_from_logits(logits, state.sampling)
+                x = int(sample(row, state.generator))
             chain.append(x)
             confidences.append(float(p[x]))
             rows.append(row)
             if confidences[-1] < float(self.cfg.confidence):
                 break
-        truncate_cache(st.cache, past)  # the committed text again: the target recomputes every layer
+        truncate_cache(state.cache, past)  # the committed text again: the target recomputes every layer
         return chain, confidences, rows
 
-    def tree(self, st: Decoding, chain: list[int], confidences: list[float], rows: list[torch.Tensor]) -> Draft:
+    def tree(self, state: PromptState, chain: list[int], confidences: list[float], rows: list[torch.Tensor]) -> Draft:
         """The chain and, at each position, ``width(confidence) - 1`` more candidates as siblings of its token:
         the next-best tokens (greedy; deterministic, ``q = None``) or more draws from the same distribution
         (sampling; ``q`` holds it for each, as the tree verifier's recursive rejection sampling needs)."""
-        tree, node, qs = Tree(st.seq[-1]), 0, []
-        greedy = st.sampling.greedy
+        tree, node, qs = Tree(state.seq[-1]), 0, []
+        greedy = state.sampling.greedy
         widths = list(self.cfg.widths if greedy else self.cfg.widths_sampled)
         for tok, conf, row in zip(chain, confidences, rows):
             n = width(conf, widths)
@@ -198,7 +198,7 @@ class Swift(DraftVerify):
                     if len(tree.children[node]) < n:
                         tree.add_child(node, alt)  # the chain's own token is merged, not added twice
             else:
-                draws = sample(row.expand(n - 1, -1), st.generator).tolist() if n > 1 else []
+                draws = sample(row.expand(n - 1, -1), state.generator).tolist() if n > 1 else []
                 child = tree.add_child(node, tok, merge=False)
                 for alt in draws:  # kept even when equal to a sibling: each is one draw the verifier tests
                     tree.add_child(node, alt, merge=False)
@@ -207,7 +207,7 @@ class Swift(DraftVerify):
         q = None if greedy else torch.stack([torch.zeros_like(qs[0])] + qs)
         return Draft(tree, q)
 
-    def figures(self, st: Decoding) -> dict:
+    def extra(self, state: PromptState) -> dict:
         search = self.search
         calls = len(self.chain_lens)
         return {

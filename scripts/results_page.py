@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from bench import plots, study, summary  # noqa: E402
+from bench import plots, saved, summary  # noqa: E402
 from core.errors import BenchError  # noqa: E402
 from methods.registry import known_methods  # noqa: E402
 
@@ -45,7 +45,7 @@ def sweep(out: Path, overrides: list[str]) -> list[str]:
 
 def block(sweep_dir: Path, figure: Path, page: Path, command: str) -> str:
     """The page's generated part: what was run where, the summary table, the figure."""
-    df, runs = study.load([str(sweep_dir)])
+    df, runs = saved.load([str(sweep_dir)])
     table = summary.summary_table(df)
     with plt.rc_context(plots.STYLE):
         fig = plots.speedup_overview(df, runs, table)

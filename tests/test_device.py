@@ -38,9 +38,9 @@ def test_the_probe_catches_a_tensor_on_the_implicit_device(tiny_pair, prompt):
     from methods.pld import PLD
 
     class Careless(PLD):
-        def propose(self, st):
-            draft = super().propose(st)
-            torch.tensor(draft.tree.tokens).to(st.device)  # the implicit device: meta here, the CPU beside CUDA
+        def propose(self, state):
+            draft = super().propose(state)
+            torch.tensor(draft.tree.tokens).to(state.device)  # the implicit device: meta here, the CPU beside CUDA
             return draft
 
     method = Careless(get_method("pld").settings({}), tiny_pair)

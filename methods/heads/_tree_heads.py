@@ -29,7 +29,7 @@ from transformers import DynamicCache
 from core.errors import BenchError
 from decoding.sampling import Sampling, probs_from_logits, sample
 from decoding.tree import Tree
-from methods.base import Decoding, Draft, DraftVerify, MethodSettings
+from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.heads._heads import KINDS, CountedHeads, CountedPrefix, HeadsRecipe
 from methods.heads._train import load_or_train_heads
 from training.kit import check_store_keeps_hidden
@@ -176,37 +176,37 @@ class TreeHeadsMethod(DraftVerify):
         """
         raise NotImplementedError
 
-    def start(self, st: Decoding) -> None:
+    def start(self, state: PromptState) -> None:
         if self.heads is None:
             self.setup(train_if_missing=False)
         self.memory = self.new_memory()
-        self.unread = st.prompt_hidden  # fed to heads_input at the first proposal, once the pending token is known
-        self.typical = bool(self.cfg.typical) and not st.sampling.greedy
+        self.unread = state.prompt_hidden  # fed to heads_input at the first proposal, once the pending token is known
+        self.typical = bool(self.cfg.typical) and not state.sampling.greedy
         self.nodes: list[int] = []
 
-    def propose(self, st: Decoding) -> Draft:
+    def propose(self, state: PromptState) -> Draft:
         if self.unread is not None:
-            self.input = self.heads_input(self.unread, st.seq[-len(self.unread):], self.memory)
+            self.input = self.heads_input(self.unread, state.seq[-len(self.unread):], self.memory)
             self.unread = None
-        shape = self.shapes[min(st.room, self.shape.max_depth)]
-        tree = self.fill(self.input, st.seq[-1], shape) if len(shape) > 1 else Tree(st.seq[-1])
+        shape = self.shapes[min(state.draft_budget, self.shape.max_depth)]
+        tree = self.fill(self.input, state.seq[-1], shape) if len(shape) > 1 else Tree(state.seq[-1])
         self.nodes.append(len(tree))
         return Draft(tree)
 
-    def verify(self, st: Decoding, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
+    def verify(self, state: PromptState, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
         if self.typical:
-            return typical_path(draft.tree, logits, st.sampling, st.generator, float(self.cfg.posterior_threshold),
+            return typical_path(draft.tree, logits, state.sampling, state.generator, float(self.cfg.posterior_threshold),
                                 float(self.cfg.posterior_alpha))
-        return super().verify(st, draft, logits)
+        return super().verify(state, draft, logits)
 
-    def accepted(self, st: Decoding, draft: Draft, path: list[int], hidden: torch.Tensor) -> None:
+    def accepted(self, state: PromptState, draft: Draft, path: list[int], hidden: torch.Tensor) -> None:
         self.unread = hidden  # the heads' input for the next step, read when it proposes (never after the last)
 
-    def figures(self, st: Decoding) -> dict:
+    def extra(self, state: PromptState) -> dict:
         extra = {
             "tree_size": len(self.shape),  # tokens the target scores per call (root included), before budget pruning
             "tree_tokens_per_call": sum(self.nodes) / len(self.nodes) if self.nodes else float("nan"),  # as scored
-            "verify": "greedy" if st.sampling.greedy else ("typical" if self.typical else "tree"),
+            "verify": "greedy" if state.sampling.greedy else ("typical" if self.typical else "tree"),
         }
         if self.cfg.typical:
             extra["typical"] = True  # lossy when sampling: outputs are not distributed as the target's

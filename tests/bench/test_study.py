@@ -305,7 +305,7 @@ def synthetic(tmp_path):
 
 def test_table_paired_speedups_ci_and_files(synthetic, tmp_path, capsys):
     from bench.report_cli import table_main
-    from bench.study import load
+    from bench.saved import load
     from bench.summary import summary_table
 
     df, runs = load([str(synthetic)])
@@ -397,7 +397,7 @@ def test_report_renders_in_headless_chromium(synthetic, tmp_path):
 def test_labels_name_the_recipe_behind_trained_methods(tmp_path):
     """Records of a trained method under two recipes are two rows, each label naming its recipe; untrained
     methods (recipe null) keep their plain name."""
-    from bench import study, summary
+    from bench import saved, summary
 
     recs = []
     for recipe, wall in (("quick", 0.8), ("full", 0.5)):
@@ -405,7 +405,7 @@ def test_labels_name_the_recipe_behind_trained_methods(tmp_path):
                  {**_record("sd", "p1", "qa", wall, accept=[1], drafted=[2]), "recipe": recipe}]
     _write_run(tmp_path / "a", recs[:2])
     _write_run(tmp_path / "b", recs[2:])
-    df, _ = study.load([str(tmp_path)])
+    df, _ = saved.load([str(tmp_path)])
     assert sorted(df["label"].unique()) == ["ar", "sd (recipe=full)", "sd (recipe=quick)"]
     table = summary.summary_table(df)
     assert len(table[table["method"] == "sd"]) == 2

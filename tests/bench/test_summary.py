@@ -7,7 +7,7 @@ import math
 import pandas as pd
 import pytest
 
-from bench.study import load
+from bench.saved import load
 from bench.summary import display_table, summary_table
 from core import metrics
 from tests.bench.test_study import _record, _write_run

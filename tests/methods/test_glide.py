@@ -154,7 +154,7 @@ def test_one_target_forward_per_step_and_the_glide_role_counted(pair, looping_pr
     steps = len(out.accept_lengths)
     assert counts["target"]["calls"] == steps + 1  # the prefill, then ONE forward per step
     # Per step: one draft call reads the pending token (the first: the prompt too), then one per chain token.
-    assert steps - 1 <= counts["glide"]["calls"] <= 3 * steps and counts["glide"]["flops"] > 0  # the last: room 0
+    assert steps - 1 <= counts["glide"]["calls"] <= 3 * steps and counts["glide"]["flops"] > 0  # the last: draft budget 0
     assert counts["glide"]["tokens"] >= len(looping_prompt) + 1
     assert max(out.drafted) == 3 and out.extra["cape"] is cape
     if cape:
@@ -170,9 +170,9 @@ def test_the_draft_cache_keeps_only_what_was_committed(pair, looping_prompt, mon
     method = build(pair, "glide", cape_threshold=1.0, cape_k=2)
     left, accepted = [], Glide.accepted
 
-    def record(self, st, draft, path, hidden):
+    def record(self, state, draft, path, hidden):
         left.append(any(v != c for v, c in zip(path, self.chain_nodes)))
-        return accepted(self, st, draft, path, hidden)
+        return accepted(self, state, draft, path, hidden)
 
     monkeypatch.setattr(Glide, "accepted", record)
     out = run(method, looping_prompt, 40)

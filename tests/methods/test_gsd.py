@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from decoding.sampling import Sampling
-from methods.base import Decoding
+from methods.base import PromptState
 from methods.gsd import Graph
 from tests.helpers import (
     assert_cache_is_a_plain_pass,
@@ -95,17 +95,17 @@ def test_each_drafted_node_holds_the_drafts_top_tokens_after_its_own_path(good_p
     links) must be the draft's top tokens after that node's real path, scored as a plain sequence."""
     method = build(good_pair, "gsd", repeat=0, sibling_ratio=0.0, leaf_prob=0.0, top_k=3, max_depth=3)
     ids = torch.tensor([looping_prompt])
-    st = Decoding(method, ids, 40, Sampling(0.0), None, lambda n: None)
+    state = PromptState(method, ids, 40, Sampling(0.0), None, lambda n: None)
     with torch.no_grad():
-        good_pair.target(ids, st.cache, logits_to_keep=1)
-        method.start(st)
-        st.commit([looping_prompt[-1]], drafted=None)
-        method.propose(st)
+        good_pair.target(ids, state.cache, logits_to_keep=1)
+        method.start(state)
+        state.commit([looping_prompt[-1]], drafted=None)
+        method.propose(state)
         g = method.graph
         assert g.merges > 0 and len(method.read) > 3
         for v in [0, *method.read]:
             path = g.tree.path_to(v)
-            seq = st.seq + [g.tree.tokens[u] for u in path[1:]]
+            seq = state.seq + [g.tree.tokens[u] for u in path[1:]]
             top = good_pair.draft.module(torch.tensor([seq])).logits[0, -1].topk(3).indices.tolist()
             proposed = [g.tree.tokens[c] for c in g.tree.children[v]] + [g.tree.tokens[n] for n in g.links[v]]
             assert sorted(proposed) == sorted(top), v

@@ -95,9 +95,9 @@ def test_one_target_forward_per_step_and_only_committed_text_cached(pair, loopin
     method = build(pair, "space", masks=3)
     seen, real = [], Space.step
 
-    def step(self, st, candidates):
-        seen.append((st.cache.get_seq_length(), len(st.seq) - 1))  # the cache: committed text minus the pending token
-        return real(self, st, candidates)
+    def step(self, state, candidates):
+        seen.append((state.cache.get_seq_length(), len(state.seq) - 1))  # the cache: committed text minus the pending token
+        return real(self, state, candidates)
 
     monkeypatch.setattr(Space, "step", step)
     pair.target.reset()
