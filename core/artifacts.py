@@ -111,7 +111,10 @@ class Artifact:
     ``build(folder)`` writes the artifact's files into ``folder`` (a temporary one) and may return a
     JSON-able report kept in the manifest; ``load(folder)`` reads them back. ``key`` holds everything the
     content depends on; ``version`` is the format of the files (bump it when ``build`` writes something new).
-    ``hint`` tells a user how to build it on purpose (shown when building is not allowed).
+    ``trained_by``: what builds it on purpose when building is not allowed (:func:`how_to_build` says the
+    command): ``store``, ``draft``, a method's name, ``method`` (whichever method reads it), or ``None`` (only a run
+    with ``train_if_missing=true``); ``same``: settings beyond ``pair=`` and ``recipe=`` the command must repeat;
+    ``otherwise``: another way out, said after the command.
     """
 
     kind: str
@@ -120,7 +123,9 @@ class Artifact:
     build: Callable[[Path], Any]
     load: Callable[[Path], Any]
     version: int = 1
-    hint: str = "run with train_if_missing=true"
+    trained_by: str | None = None
+    same: tuple[str, ...] = ()
+    otherwise: str = ""
     description: str = ""
 
     def folder(self, cache: Path) -> Path:
@@ -129,6 +134,21 @@ class Artifact:
     @property
     def what(self) -> str:
         return self.description or f"{self.kind} artifact '{self.name}'"
+
+
+def how_to_build(art: Artifact) -> str:
+    """How a user builds ``art`` on purpose: the one place where a missing artifact becomes the command that
+    builds it (methods and trainers name only what trains it, :attr:`Artifact.trained_by`)."""
+    if art.trained_by is None:
+        steps = "run with train_if_missing=true"
+    else:
+        what = {"store": "store", "draft": "draft", "method": "method"}.get(art.trained_by,
+                                                                          f"method method={art.trained_by}")
+        settings = ["pair=", "recipe=", *(f"{name}=" for name in art.same)]
+        same = ", ".join(settings[:-1]) + " and " + settings[-1]
+        reader = " for the method that reads it," if art.trained_by == "method" else ""
+        steps = f"run 'python -m bench train {what}'{reader} with the same {same} (or train_if_missing=true)"
+    return f"{steps}, or {art.otherwise}" if art.otherwise else steps
 
 
 def file_sha256(path: Path) -> str:
@@ -253,12 +273,12 @@ def load_or_build(art: Artifact, cache: Path, build_if_missing: bool = True):
         with locked(folder, art.what):
             why = problem(folder)
             if why == "missing" and not build_if_missing:
-                raise BenchError(f"no cached {art.what} at {folder}; {art.hint}.")
+                raise BenchError(f"no cached {art.what} at {folder}; {how_to_build(art)}.")
             if why is not None:
                 if why != "missing":
                     log.warning("the cached %s at %s is broken (%s)", art.what, folder, why)
                 if not build_if_missing:
-                    raise BenchError(f"the cached {art.what} at {folder} cannot be used ({why}); {art.hint}.")
+                    raise BenchError(f"the cached {art.what} at {folder} cannot be used ({why}); {how_to_build(art)}.")
                 _build(art, folder)
             elif (foreign := foreign_key(art, folder)) is not None:
                 raise BenchError(f"the {art.what} at {folder} was built for something else (its {foreign} differ"
@@ -270,7 +290,7 @@ def load_or_build(art: Artifact, cache: Path, build_if_missing: bool = True):
         except Exception as err:  # noqa: BLE001 - any unreadable file is the same problem for the user
             if not build_if_missing:
                 raise BenchError(f"the cached {art.what} at {folder} cannot be loaded ({_first_line(err)}); "
-                                 f"{art.hint}.") from None
+                                 f"{how_to_build(art)}.") from None
             if attempt == 1:  # built just now and still unreadable: build and load disagree (a bug)
                 raise BenchError(f"the {art.what} built at {folder} cannot be loaded ({_first_line(err)}).") from err
             log.warning("the cached %s at %s cannot be loaded (%s); rebuilding it", art.what, folder,

@@ -212,12 +212,12 @@ def train_eagle(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
 
 def eagle_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher, method: str = "eagle") -> Artifact:
     """EAGLE's draft of (target, recipe, tokenizer, the run's training recipe) as a cached artifact: ``eagle.pt``.
-    ``method``: what the hint to train it names (``koala method.base=eagle`` trains a KOALA draft here too)."""
+    ``method``: what trains it, as a missing draft's message names it (``koala method.base=eagle`` trains a KOALA draft here too)."""
     key = {"recipe": part_key(recipe, layers=1, adversarial=None),
            "teacher": budget(teacher, epochs("eagle", recipe, teacher)), **tokenizer_key(tokenizer)}
     return module_artifact("eagle", target, key, lambda: train_eagle(target, tokenizer, recipe, teacher),
                           lambda vocab_map, layers: EagleDraft(target.config, vocab_map, layers),
-                          hint=f"run 'python -m bench train method method={method}' with the same recipe=",
+                          trained_by=method,
                           description="EAGLE draft layer" if int(recipe.get("layers", 1)) == 1 else "EAGLE draft")
 
 

@@ -352,7 +352,7 @@ def glide_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> A
            **tokenizer_key(tokenizer)}
     return module_artifact("glide", target, key, lambda: train_glide(target, tokenizer, recipe, teacher),
                           lambda vocab_map, layers: GlideDraft(target.config, vocab_map, layers),
-                          hint="run 'python -m bench train method method=glide' with the same recipe=",
+                          trained_by="glide",
                           description="GliDe draft")
 
 

@@ -238,7 +238,7 @@ def load_or_build_datastore(pair, settings: dict, build_if_missing: bool) -> Dat
     module = pair.target.module
     art = Artifact("nest", "datastore", datastore_key(pair, settings),
                    lambda folder: build(folder, module, pair.tokenizer, settings), load, version=VERSION,
-                   description="NEST datastore", hint="run with train_if_missing=true")
+                   description="NEST datastore")
     return load_or_build(art, pair.cache, build_if_missing)
 
 

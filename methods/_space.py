@@ -257,7 +257,7 @@ def space_artifact(target, tokenizer, masks: int, recipe: DictConfig, teacher: T
     return part_artifact("space", f"space-{ident['name']}", key,
                          lambda: train_space(target, tokenizer, masks, recipe, teacher),
                          lambda emb: {"hidden": hidden, "masks": masks, "state": emb.state_dict()}, load, "space.pt",
-                         hint="run 'python -m bench train method method=space' with the same recipe= and method.masks=",
+                         trained_by="space", same=("method.masks",),
                          description="SPACE mask embeddings")
 
 

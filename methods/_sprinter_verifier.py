@@ -222,7 +222,7 @@ def verifier_artifact(pair, recipe: DictConfig) -> Artifact:
     return part_artifact("verifiers", pair.name, key, lambda: train_verifier(pair, recipe),
                          lambda model: {"d_in": model.d_in, "width": model.width, "state": model.state_dict()}, load,
                          "verifier.pt", description="SPRINTER verifier",
-                         hint=f"run 'python -m bench train method pair={pair.name} method=sprinter' with the same recipe=")
+                         trained_by="sprinter")
 
 
 def verifier_dir(pair, recipe: DictConfig) -> Path:

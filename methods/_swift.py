@@ -126,15 +126,15 @@ class SkipSearch:
 
         self.n_layers, self.settings = n_layers, settings
         self.coords = 2 * (n_layers - 2)
-        self.k = max(1, int(self.coords * float(settings.skip_ratio)))  # sub-layers a candidate skips
+        self.k = max(1, int(self.coords * settings.skip_ratio))  # sub-layers a candidate skips
         self.best, self.best_score = start, 0.0  # the paper starts from a score of 0: the first candidate is kept
         self.iters = self.stale = 0
         self.stopped = ""  # why the search stopped ("" while it runs)
         self.seconds = 0.0  # under the harness clock, every step included
-        self.rng = np.random.default_rng(int(settings.seed))
+        self.rng = np.random.default_rng(settings.seed)
         self.bo = BayesianOptimization(
             f=None, pbounds={f"x{i}": (0.0, 1.0) for i in range(self.coords)}, verbose=0,
-            acquisition_function=acquisition.UpperConfidenceBound(kappa=2.5), random_state=int(settings.seed))
+            acquisition_function=acquisition.UpperConfidenceBound(kappa=2.5), random_state=settings.seed)
         self.bo.set_gp_params(alpha=1e-2)
         self.probed: set[tuple] = set()  # points already registered: the optimiser takes each once
 
@@ -144,7 +144,7 @@ class SkipSearch:
 
     def candidate(self) -> tuple[dict, SkipSet]:
         """``(point, set)``: the search-space point to register its score at, and the skip set it stands for."""
-        every = int(self.settings.bayes_interval)
+        every = self.settings.bayes_interval
         if every and (self.iters + 1) % every == 0:
             point = self.bo.suggest()  # continuous in [0, 1]^coords: the top-k coordinates are skipped
             chosen = sorted(range(self.coords), key=lambda i: -float(point[f"x{i}"]))[: self.k]
@@ -169,12 +169,12 @@ class SkipSearch:
             else:
                 self.stale += 1
             s = self.settings
-            if better and value > float(s.target_score):
-                self.stopped = f"score {value:.3f} above target_score {float(s.target_score)}"
-            elif self.stale > int(s.patience):
-                self.stopped = f"{self.stale} iterations without a better set (patience {int(s.patience)})"
-            elif self.iters >= int(s.max_iters):
-                self.stopped = f"max_iters ({int(s.max_iters)}) reached"
+            if better and value > s.target_score:
+                self.stopped = f"score {value:.3f} above target_score {s.target_score}"
+            elif self.stale > s.patience:
+                self.stopped = f"{self.stale} iterations without a better set (patience {s.patience})"
+            elif self.iters >= s.max_iters:
+                self.stopped = f"max_iters ({s.max_iters}) reached"
             return better
 
         better, seconds = clocked(device, iteration)
@@ -213,8 +213,8 @@ def load_or_build_skip_set(pair, settings, n_layers: int, build_if_missing: bool
             "seed")
 
     def build(folder: Path) -> dict:
-        window = int(settings.context_window) + 1
-        prompts = instruction_prompts(int(settings.calibration), int(settings.seed), split="train")
+        window = settings.context_window + 1
+        prompts = instruction_prompts(settings.calibration, settings.seed, split="train")
         cases = []
         with torch.inference_mode():
             for prompt, answer, _, _ in target_answers(target.module, pair.tokenizer, prompts, 8, window,
@@ -234,7 +234,7 @@ def load_or_build_skip_set(pair, settings, n_layers: int, build_if_missing: bool
                 lm.use(cand)
                 return sum(matchness(lm, cache, answer) for cache, answer in cases) / len(cases)
 
-            with tqdm(total=int(settings.max_iters), desc="swift: skip-set search", unit="it") as bar:
+            with tqdm(total=settings.max_iters, desc="swift: skip-set search", unit="it") as bar:
                 while not search.done:
                     search.step(score, target.device)
                     bar.update(1)
@@ -253,5 +253,5 @@ def load_or_build_skip_set(pair, settings, n_layers: int, build_if_missing: bool
 
     key = {"target": model_fingerprint(target.module), "search": {k: settings[k] for k in keys}}
     art = Artifact("swift", "skip-set", key, build, load, version=2, description="swift skip set",
-                   hint="run with train_if_missing=true, or method.search=online")
+                   otherwise="method.search=online")
     return load_or_build(art, pair.cache, build_if_missing)

@@ -16,6 +16,7 @@ pending one, fed with the next step's proposal), so a rejected proposal is dropp
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -205,6 +206,8 @@ class PromptState:
         self.drafted: list[int] = []
         self.done = False
         self.prompt_hidden: torch.Tensor | None = None  # (prompt_len, hidden) for methods with hidden = True
+        # Contexts the prompt opens (a hook on a model) and the decode closes when it ends, by an error too.
+        self.closing = ExitStack()
 
     @property
     def out(self) -> list[int]:
@@ -292,19 +295,20 @@ class DraftVerify(Method):
 
     def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> DecodeOutput:
         state = self.State(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens)
-        # The prefill: the whole prompt in one forward; only the last position needs logits.
-        out = self.pair.target(prompt_ids, state.cache, logits_to_keep=1, output_hidden_states=self.hidden)
-        state.prompt_hidden = out.hidden_states[-1][0] if self.hidden else None
-        self.start(state)
-        state.commit([int(next_token(out.logits[0, -1], sampling, generator))], drafted=None)
-        while not state.done:
-            draft = self.propose(state)
-            past = state.cache.get_seq_length()
-            # ONE target forward scores the pending token and every proposed node.
-            keep = {"logits_to_keep": draft.logit_rows} if draft.logit_rows else {}
-            logits, hidden = score_tree(self.pair.target, state.cache, draft.tree, self.hidden, **keep)
-            path, nxt = self.verify(state, draft, logits)
-            keep_path(state.cache, past, path)  # the root and the accepted nodes; the new token is pending
-            state.commit([draft.tree.tokens[v] for v in path[1:]] + [nxt], drafted=draft.depth)
-            self.accepted(state, draft, path, hidden[path] if hidden is not None else None)
-        return state.output(self.extra(state))
+        with state.closing:  # what the prompt holds (a hook on a model) is let go however the decode ends
+            # The prefill: the whole prompt in one forward; only the last position needs logits.
+            out = self.pair.target(prompt_ids, state.cache, logits_to_keep=1, output_hidden_states=self.hidden)
+            state.prompt_hidden = out.hidden_states[-1][0] if self.hidden else None
+            self.start(state)
+            state.commit([int(next_token(out.logits[0, -1], sampling, generator))], drafted=None)
+            while not state.done:
+                draft = self.propose(state)
+                past = state.cache.get_seq_length()
+                # ONE target forward scores the pending token and every proposed node.
+                keep = {"logits_to_keep": draft.logit_rows} if draft.logit_rows else {}
+                logits, hidden = score_tree(self.pair.target, state.cache, draft.tree, self.hidden, **keep)
+                path, nxt = self.verify(state, draft, logits)
+                keep_path(state.cache, past, path)  # the root and the accepted nodes; the new token is pending
+                state.commit([draft.tree.tokens[v] for v in path[1:]] + [nxt], drafted=draft.depth)
+                self.accepted(state, draft, path, hidden[path] if hidden is not None else None)
+            return state.output(self.extra(state))

@@ -156,9 +156,18 @@ class Cascade(DraftVerify):
         k = self.cfg.k_matrix
         self.k = [list(r) for r in k] if k is not None else DEFAULT_K[n_levels]
 
+    class State(PromptState):
+        """One prompt's cascade: its levels (each draft's KV cache, the statistical drafter's index) and tallies."""
+
+        lenience: int  # inner reviews (greedy only): a token passes in the reviewer's top-lenience; 1 = strict
+        index: NGramIndex  # the committed text's n-grams, read by the statistical level
+        levels: list  # target, draft model(s), statistical: most expensive first
+        reviews: dict[str, dict]  # "<drafter>><reviewer>": tokens proposed / accepted
+        sources: list[int]  # the level each token of this step's proposal came from
+
     # --------------------------------------------------------------------------------------- the cascade
 
-    def propose_for(self, i: int, ctx: list[int], limit: int):
+    def propose_for(self, state: State, i: int, ctx: list[int], limit: int):
         """The proposal level ``i`` reviews after ``ctx``: at most ``limit`` tokens, ``k[i][0]`` from level
         i+1, then ``k[i][1]`` from level i+2, ... Returns ``(tokens, q_rows, sources)``: ``q_rows`` holds one
         ``FloatTensor (vocab,)`` per token when sampling (``None`` for a deterministic statistical token),
@@ -168,82 +177,79 @@ class Cascade(DraftVerify):
             count = min(count, limit - len(tokens))
             if count <= 0:
                 continue
-            new, q = self.generate(j, ctx + tokens, count)
+            new, q = self.generate(state, j, ctx + tokens, count)
             tokens += new
             q_rows += q
             sources += [j] * len(new)
         return tokens, q_rows, sources
 
-    def generate(self, j: int, ctx: list[int], n: int):
+    def generate(self, state: State, j: int, ctx: list[int], n: int):
         """``n`` tokens from level ``j`` after ``ctx`` (speculative decoding at model levels) and their q rows."""
-        level = self.levels[j]
+        level = state.levels[j]
         if isinstance(level, StatLevel):
             return level.draft(ctx, n), [None] * n
         gen, q_rows = [], []
         while len(gen) < n:
             # A review yields up to len(proposal) + 1 tokens: propose one fewer than still needed.
-            prop, pq, src = self.propose_for(j, ctx + gen, n - len(gen) - 1)
-            logits = level.score(ctx + gen, prop, self.st.device)
-            acc, nxt = self.review(logits, prop, pq)
-            self.tally(j, src, acc)
+            prop, pq, src = self.propose_for(state, j, ctx + gen, n - len(gen) - 1)
+            logits = level.score(ctx + gen, prop, state.device)
+            acc, nxt = self.review(state, logits, prop, pq)
+            self.tally(state, j, src, acc)
             gen += prop[:acc] + [nxt]
-            if not self.st.sampling.greedy:
+            if not state.sampling.greedy:
                 # Each emitted token is distributed as this level's own next-token distribution.
-                q_rows += list(probs_from_logits(logits[: acc + 1], self.st.sampling))
+                q_rows += list(probs_from_logits(logits[: acc + 1], state.sampling))
         return gen, q_rows
 
-    def review(self, logits, prop: list[int], q_rows: list) -> tuple[int, int]:
+    def review(self, state: State, logits, prop: list[int], q_rows: list) -> tuple[int, int]:
         """An inner review's accepted count and next token: lenient (greedy only) is top-k membership,
         strict is the shared verifier."""
         tokens = torch.tensor(prop, dtype=torch.long, device=logits.device)
-        if self.lenience > 1:
-            top = logits[: len(prop)].topk(self.lenience, dim=-1).indices  # (k, lenience)
+        if state.lenience > 1:
+            top = logits[: len(prop)].topk(state.lenience, dim=-1).indices  # (k, lenience)
             bad = (~(top == tokens[:, None]).any(-1)).nonzero()
             acc = int(bad[0]) if bad.numel() else len(prop)
             return acc, int(logits[acc].argmax())
-        q = None if self.st.sampling.greedy else q_matrix(tokens, q_rows, logits.shape[-1])
-        return verify_chain(tokens, q, logits, self.st.sampling, self.st.generator)
+        q = None if state.sampling.greedy else q_matrix(tokens, q_rows, logits.shape[-1])
+        return verify_chain(tokens, q, logits, state.sampling, state.generator)
 
-    def tally(self, reviewer: int, sources: list[int], accepted: int) -> None:
+    def tally(self, state: State, reviewer: int, sources: list[int], accepted: int) -> None:
         for pos, j in enumerate(sources):
-            key = f"{self.levels[j].name}>{self.levels[reviewer].name}"
-            stat = self.reviews.setdefault(key, {"proposed": 0, "accepted": 0})
+            key = f"{state.levels[j].name}>{state.levels[reviewer].name}"
+            stat = state.reviews.setdefault(key, {"proposed": 0, "accepted": 0})
             stat["proposed"] += 1
             stat["accepted"] += pos < accepted
 
     # --------------------------------------------------------------------------------------- the loop
 
-    def start(self, state: PromptState) -> None:
-        self.st = state
+    def start(self, state: State) -> None:
         # Lenient inner reviews change what a level emits, so only greedy decoding may use them.
-        self.lenience = int(self.cfg.lenience) if state.sampling.greedy else 1
-        self.index = NGramIndex(int(self.cfg.min_ngram), int(self.cfg.max_ngram))
-        self.index.add_document(state.seq)
+        state.lenience = self.cfg.lenience if state.sampling.greedy else 1
+        state.index = NGramIndex(self.cfg.min_ngram, self.cfg.max_ngram)
+        state.index.add_document(state.seq)
         drafts = [ModelLevel(d, d.role) for d in self.pair.drafts[:2]]
-        self.levels = [TargetLevel(), *drafts, StatLevel(self.index, self.bigram)]
-        self.reviews: dict[str, dict] = {}
+        state.levels = [TargetLevel(), *drafts, StatLevel(state.index, self.bigram)]
+        state.reviews = {}
 
-    def propose(self, state: PromptState) -> Draft:
-        self.index.extend(state.seq[len(self.index):])
-        tokens, q_rows, self.sources = self.propose_for(0, state.seq, state.draft_budget)
+    def propose(self, state: State) -> Draft:
+        state.index.extend(state.seq[len(state.index):])
+        tokens, q_rows, state.sources = self.propose_for(state, 0, state.seq, state.draft_budget)
         q = None if state.sampling.greedy else q_matrix(torch.tensor(tokens, dtype=torch.long, device=state.device),
                                                       q_rows, self.pair.target.module.config.vocab_size)
         return Draft.chain(state.seq[-1], tokens, q)
 
-    def accepted(self, state: PromptState, draft: Draft, path: list[int], hidden) -> None:
-        self.tally(0, self.sources, len(path) - 1)  # the target's review is always strict
+    def accepted(self, state: State, draft: Draft, path: list[int], hidden) -> None:
+        self.tally(state, 0, state.sources, len(path) - 1)  # the target's review is always strict
 
-    def extra(self, state: PromptState) -> dict:
-        for stat in self.reviews.values():
+    def extra(self, state: State) -> dict:
+        for stat in state.reviews.values():
             stat["accept_rate"] = ratio(stat["accepted"], stat["proposed"])  # proposed tokens the reviewer kept
-        stat_level = self.levels[-1]
-        extra = {
-            "levels": [lv.name for lv in self.levels],
+        stat_level = state.levels[-1]
+        return {
+            "levels": [lv.name for lv in state.levels],
             "k_matrix": self.k,
-            "reviews": self.reviews,  # "<drafter>><reviewer>": tokens proposed / accepted / rate
+            "reviews": state.reviews,  # "<drafter>><reviewer>": tokens proposed / accepted / rate
             "stat_lookups": stat_level.lookups,  # statistical drafts asked for
             "stat_context_hit_rate": ratio(stat_level.context_hits, stat_level.lookups),  # found in the text itself
-            "lenience": self.lenience,
+            "lenience": state.lenience,
         }
-        self.levels, self.st = [], None  # the caches belong to this prompt only
-        return extra

@@ -79,25 +79,34 @@ class Eagle(DraftVerify):
 
     # ------------------------------------------------------------------------------------------- the loop
 
-    def start(self, state: PromptState) -> None:
-        if self.draft is None:
-            self.setup(train_if_missing=False)
-        self.cache = DynamicCache()  # the draft layer's: one entry per committed position it has read
-        self.todo = state.prompt_hidden  # (n, H) the target's features the draft has not read yet
-        self.nodes: list[int] = []
+    class State(PromptState):
+        """One prompt's drafting: the draft layer's KV cache, the target's features it has yet to read, tree sizes."""
 
-    def read_committed(self, state: PromptState) -> tuple[torch.Tensor, torch.Tensor]:
+        dcache: DynamicCache  # the draft layer's: the committed positions it has read, then this step's guesses
+        todo: torch.Tensor  # (n, H) the target's features the draft has not read yet
+        read: int  # the committed positions whose true features the draft's cache holds
+        nodes: list[int]  # tokens the target scored per step, the pending one included
+
+    def start(self, state: State) -> None:
+        # setup() loads the trained part before the timed decode; never lazily inside it.
+        assert self.draft is not None, "call setup() before decode()"
+        state.dcache = DynamicCache()
+        state.todo = state.prompt_hidden
+        state.read = 0
+        state.nodes = []
+
+    def read_committed(self, state: State) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the draft the features it has not read (positions ``read .. len(seq) - 2``, each with the
         token after it), after dropping its guesses of the last step. Returns the guessed feature at the
         pending token's position ``(H,)`` and the logits ``(V',)`` of the first draft token."""
-        read = len(state.seq) - 1 - len(self.todo)
-        truncate_cache(self.cache, read)
+        read = len(state.seq) - 1 - len(state.todo)
+        truncate_cache(state.dcache, read)
         tokens = torch.tensor(state.seq[read + 1 :], device=state.device)
-        out, logits = self.draft(self.todo[None].to(self.pair.dtype), self.embed(tokens)[None], self.cache, rows=1)
-        self.todo, self.read = self.todo[:0], len(state.seq) - 1  # the cache's true entries; guesses follow them
+        out, logits = self.draft(state.todo[None].to(self.pair.dtype), self.embed(tokens)[None], state.dcache, rows=1)
+        state.todo, state.read = state.todo[:0], len(state.seq) - 1  # the cache's true entries; guesses follow them
         return out[0, -1], logits[0, -1]
 
-    def propose(self, state: PromptState) -> Draft:
+    def propose(self, state: State) -> Draft:
         depth = min(self.cfg.gamma if self.cfg.draft == "chain" else self.cfg.depth, state.draft_budget)
         if depth <= 0:
             return Draft(Tree(state.seq[-1]))
@@ -106,20 +115,20 @@ class Eagle(DraftVerify):
             draft = self.chain(state, feat, logits, depth)
         else:
             draft = self.tree(state, feat, logits, depth)
-        self.nodes.append(len(draft.tree))
+        state.nodes.append(len(draft.tree))
         return draft
 
-    def accepted(self, state: PromptState, draft: Draft, path: list[int], hidden: torch.Tensor) -> None:
+    def accepted(self, state: State, draft: Draft, path: list[int], hidden: torch.Tensor) -> None:
         if not state.done:  # the true features of the root and the accepted nodes: read at the next step
-            self.todo = torch.cat([self.todo, hidden])
+            state.todo = torch.cat([state.todo, hidden])
 
-    def extra(self, state: PromptState) -> dict:
+    def extra(self, state: State) -> dict:
         return {"draft": self.cfg.draft,
-                "tree_tokens_per_call": sum(self.nodes) / len(self.nodes) if self.nodes else float("nan")}
+                "tree_tokens_per_call": sum(state.nodes) / len(state.nodes) if state.nodes else float("nan")}
 
     # ------------------------------------------------------------------------------------------- drafting
 
-    def chain(self, state: PromptState, feat: torch.Tensor, logits: torch.Tensor, k: int) -> Draft:
+    def chain(self, state: State, feat: torch.Tensor, logits: torch.Tensor, k: int) -> Draft:
         """``k`` tokens, one draft forward each after the first: greedy, or sampled from the draft's
         distribution (``q`` then holds it over the full vocabulary, zero outside the draft's)."""
         tokens, qs = [], []
@@ -129,18 +138,18 @@ class Eagle(DraftVerify):
             tokens.append(token)
             qs += [q] if q is not None else []
             if i + 1 < k:  # the draft reads its own guess and its token: a plain causal step
-                out, logits = self.draft(feat[None, None], self.embed(tokens[-1])[None, None], self.cache, rows=1)
+                out, logits = self.draft(feat[None, None], self.embed(tokens[-1])[None, None], state.dcache, rows=1)
                 feat, logits = out[0, -1], logits[0, -1]
         return Draft.chain(state.seq[-1], torch.stack(tokens), torch.stack(qs) if qs else None)
 
-    def tree(self, state: PromptState, feat: torch.Tensor, logits: torch.Tensor, depth: int) -> Draft:
+    def tree(self, state: State, feat: torch.Tensor, logits: torch.Tensor, depth: int) -> Draft:
         """EAGLE-2's expand-and-rerank, ``depth`` levels deep at most (see the module doc)."""
-        k = min(int(self.cfg.top_k), logits.shape[-1])
+        k = min(self.cfg.top_k, logits.shape[-1])
         tree = Tree(state.seq[-1])
         score = [0.0]  # cumulative draft log-probability of each node's path
         guessed = {0: feat}  # the draft's guessed feature at each expanded node
         level = self.grow(tree, score, [0], torch.log_softmax(logits.float(), -1)[None], k)
-        read = self.read  # the committed positions in the draft cache; the root's input is the last of them
+        read = state.read  # the committed positions in the draft cache; the root's input is the last of them
         fed: list[int] = []  # tree nodes in the draft cache after them, in order
         for _ in range(depth - 1):
             expand = sorted(level, key=lambda v: -score[v])[:k]
@@ -148,14 +157,14 @@ class Eagle(DraftVerify):
             positions = torch.tensor([[read - 1 + tree.depth[v] for v in expand]], device=state.device)
             feats = torch.stack([guessed[tree.parent[v]] for v in expand])[None]
             tokens = torch.tensor([tree.tokens[v] for v in expand], device=state.device)
-            out, sub_logits = self.draft(feats, self.embed(tokens)[None], self.cache, rows=len(expand),
+            out, sub_logits = self.draft(feats, self.embed(tokens)[None], state.dcache, rows=len(expand),
                                          attention_mask=mask, position_ids=positions)
             fed += expand
             guessed.update(zip(expand, out[0]))
             level = self.grow(tree, score, expand, torch.log_softmax(sub_logits[0].float(), -1), k)
         # Rerank: the best total_tokens - 1 nodes by cumulative log-probability; ties go to the earlier node,
         # so a parent (never below its child) always comes first and the kept nodes form a tree.
-        best = sorted(range(1, len(tree)), key=lambda v: (-score[v], v))[: int(self.cfg.total_tokens) - 1]
+        best = sorted(range(1, len(tree)), key=lambda v: (-score[v], v))[: self.cfg.total_tokens - 1]
         out_tree, new = Tree(state.seq[-1]), {0: 0}
         for v in sorted(best):
             new[v] = out_tree.add_child(new[tree.parent[v]], tree.tokens[v], merge=False)

@@ -106,7 +106,7 @@ class Glide(DraftVerify):
 
     def setup(self, train_if_missing: bool = True) -> None:
         target = self.pair.target.module
-        self.layer = kv_layer(target.config, int(self.cfg.recipe.layer), "method.recipe.layer")
+        self.layer = kv_layer(target.config, self.cfg.recipe.layer, "method.recipe.layer")
         GlideDraft(target.config, torch.arange(1))  # a target it cannot glimpse is refused before any store work
         draft, self.report = load_or_train_glide(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher,
                                                  train_if_missing)
@@ -116,55 +116,64 @@ class Glide(DraftVerify):
 
     # ------------------------------------------------------------------------------------------- the loop
 
-    def start(self, state: PromptState) -> None:
-        if self.draft is None:
-            self.setup(train_if_missing=False)
-        self.cache = DynamicCache()  # the draft's own: one entry per position it has read
-        state.track(self.cache)
-        self.past, self.chain_nodes = 0, [0]  # this step's pending position, and the tree nodes of its chain
-        self.candidates: list[int] = []
-        self.expanded: list[int] = []
+    class State(PromptState):
+        """One prompt's drafting: the draft's KV cache, this step's top-1 chain, and per-step tallies for ``extra``."""
 
-    def read(self, state: PromptState, tokens: list[int]) -> torch.Tensor:
+        dcache: DynamicCache  # the draft's own: one entry per position it has read
+        past: int  # this step's pending position
+        chain_nodes: list[int]  # this step's tree nodes of the top-1 chain, the pending token's (0) first
+        candidates: list[int]  # tokens proposed per step, the pending one not counted
+        expanded: list[int]  # positions CaPE expanded per step
+
+    def start(self, state: State) -> None:
+        # setup() loads the trained part before the timed decode; never lazily inside it.
+        assert self.draft is not None, "call setup() before decode()"
+        state.dcache = DynamicCache()
+        state.track(state.dcache)
+        state.past, state.chain_nodes = 0, [0]
+        state.candidates = []
+        state.expanded = []
+
+    def read(self, state: State, tokens: list[int]) -> torch.Tensor:
         """Feed the draft ``tokens`` at the positions after its cache's, glimpsing the target's cache of the
         committed positions < p; returns the logits ``(V',)`` of the token after the last."""
         p = state.cache.get_seq_length()
         cached = state.cache.layers[self.layer]
-        start = self.cache.get_seq_length()
+        start = state.dcache.get_seq_length()
         positions = torch.arange(start, start + len(tokens), device=state.device)
         # Tokens read late (the prompt, a fully accepted draft's last token) see the target as training showed
         # them; the pending token and the drafted ones see all of the cache (None: no mask to build).
-        visible = decode_visible(positions, p, int(self.cfg.recipe.block))[None] if start < p else None
+        visible = decode_visible(positions, p, self.cfg.recipe.block)[None] if start < p else None
         emb = self.embed(torch.tensor([tokens], device=state.device))
-        return self.draft(emb, positions, cached.keys, cached.values, visible, self.cache, rows=1)[0, -1]
+        return self.draft(emb, positions, cached.keys, cached.values, visible, state.dcache, rows=1)[0, -1]
 
-    def propose(self, state: PromptState) -> Draft:
-        k = min(int(self.cfg.gamma), state.draft_budget)
-        self.past, self.chain_nodes = state.cache.get_seq_length(), [0]  # the pending token's position; its node
+    def propose(self, state: State) -> Draft:
+        k = min(self.cfg.gamma, state.draft_budget)
+        state.past, state.chain_nodes = state.cache.get_seq_length(), [0]  # the pending token's position; its node
         if k <= 0:
             return Draft(Tree(state.seq[-1]))
         # The committed tokens the draft has not read (after a fully accepted draft: its last), then the pending one.
-        logits = self.read(state, state.seq[self.cache.get_seq_length() :])
+        logits = self.read(state, state.seq[state.dcache.get_seq_length() :])
         draft = self.cape(state, logits, k) if self.cfg.cape else self.chain(state, logits, k)
-        self.candidates.append(len(draft.tree) - 1)
+        state.candidates.append(len(draft.tree) - 1)
         return draft
 
-    def accepted(self, state: PromptState, draft: Draft, path: list[int], hidden) -> None:
+    def accepted(self, state: State, draft: Draft, path: list[int], hidden) -> None:
         # The draft read the pending token and its chain at positions past, past + 1, ...; a path that left the
         # chain at a CaPE sibling keeps only the entries before it (the commit dropped those past the text).
-        on_chain = next((i for i, (v, c) in enumerate(zip(path, self.chain_nodes)) if v != c), len(path))
-        truncate_cache(self.cache, self.past + on_chain)
+        on_chain = next((i for i, (v, c) in enumerate(zip(path, state.chain_nodes)) if v != c), len(path))
+        truncate_cache(state.dcache, state.past + on_chain)
 
-    def extra(self, state: PromptState) -> dict:
-        calls = len(self.candidates)
-        return {"cape": bool(self.cfg.cape),
+    def extra(self, state: State) -> dict:
+        calls = len(state.candidates)
+        return {"cape": self.cfg.cape,
                 # Tokens proposed per target call (the pending one not counted), and positions CaPE expanded.
-                "candidates_per_call": sum(self.candidates) / calls if calls else float("nan"),
-                "expanded_per_call": sum(self.expanded) / calls if calls and self.cfg.cape else float("nan")}
+                "candidates_per_call": sum(state.candidates) / calls if calls else float("nan"),
+                "expanded_per_call": sum(state.expanded) / calls if calls and self.cfg.cape else float("nan")}
 
     # ------------------------------------------------------------------------------------------- drafting
 
-    def chain(self, state: PromptState, logits: torch.Tensor, k: int) -> Draft:
+    def chain(self, state: State, logits: torch.Tensor, k: int) -> Draft:
         """``k`` tokens, one draft forward each after the first: greedy, or sampled from the draft's distribution
         (``q`` then holds it over the full vocabulary, zero outside the draft's)."""
         tokens, qs = [], []
@@ -175,25 +184,25 @@ class Glide(DraftVerify):
             qs += [q] if q is not None else []
             if i + 1 < k:
                 logits = self.read(state, tokens[-1:])
-        self.chain_nodes = list(range(k + 1))  # a chain's nodes are its positions
+        state.chain_nodes = list(range(k + 1))  # a chain's nodes are its positions
         return Draft.chain(state.seq[-1], tokens, torch.stack(qs) if qs else None)
 
-    def cape(self, state: PromptState, logits: torch.Tensor, k: int) -> Draft:
+    def cape(self, state: State, logits: torch.Tensor, k: int) -> Draft:
         """CaPE: the draft's top-1 chain of ``k`` tokens; where its top-1 probability is below ``cape_threshold``,
         its next ``cape_k`` tokens too, as siblings of that chain token (deterministic candidates: q = None)."""
         tree, node, expanded = Tree(state.seq[-1]), 0, 0
-        width = min(1 + int(self.cfg.cape_k), logits.shape[-1])
+        width = min(1 + self.cfg.cape_k, logits.shape[-1])
         for i in range(k):
             top = torch.softmax(logits.float(), -1).topk(width)
             ids = self.vocab_map[top.indices].tolist()
             child = tree.add_child(node, ids[0])
-            if float(top.values[0]) < float(self.cfg.cape_threshold):
+            if float(top.values[0]) < self.cfg.cape_threshold:
                 for tok in ids[1:]:
                     tree.add_child(node, tok)
                 expanded += 1
             node = child
-            self.chain_nodes.append(child)
+            state.chain_nodes.append(child)
             if i + 1 < k:
                 logits = self.read(state, ids[:1])
-        self.expanded.append(expanded)
+        state.expanded.append(expanded)
         return Draft(tree)

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import torch
 from pydantic import Field
+from transformers import DynamicCache
 
 from decoding.tree import Tree, keep_path, read_nodes
 from methods.base import Draft, DraftVerify, MethodSettings, PromptState
@@ -140,28 +141,40 @@ class GSD(DraftVerify):
         max_nodes: int = Field(100, ge=2, description="nodes of the graph, and of the tree the target scores, at "
                                "most (the authors' 100)")
 
-    def start(self, state: PromptState) -> None:
-        self.dcache = state.draft_cache(self.pair.draft)  # the draft reads the prompt: its cost, counted
-        self.past = 0  # this step's pending position
-        self.read: list[int] = []  # graph nodes the draft read this step, in cache order after the pending token
-        self.graph: Graph | None = None
-        self.origin: list[int] = []
-        self.own: list[bool] = []
-        self.tally = {"graph_nodes": 0, "tree_nodes": 0, "copies": 0, "merges": 0, "draft_forwards": 0, "steps": 0,
-                      "accepted_through_link": 0}
+    class State(PromptState):
+        """One prompt's drafting: the draft's KV cache, this step's graph and the tree it unrolled to, and the
+        tallies summed over steps for ``extra``."""
+
+        dcache: DynamicCache
+        past: int  # this step's pending position
+        read: list[int]  # graph nodes the draft read this step, in cache order after the pending token
+        graph: Graph | None
+        origin: list[int]  # tree node i copies graph node origin[i]
+        own: list[bool]  # tree node i stands on real parent links (the context the draft computed it in)
+        tally: dict[str, int]
+
+    def start(self, state: State) -> None:
+        state.dcache = state.draft_cache(self.pair.draft)  # the draft reads the prompt: its cost, counted
+        state.past = 0
+        state.read = []
+        state.graph = None
+        state.origin = []
+        state.own = []
+        state.tally = {"graph_nodes": 0, "tree_nodes": 0, "copies": 0, "merges": 0, "draft_forwards": 0, "steps": 0,
+                       "accepted_through_link": 0}
 
     # ------------------------------------------------------------------------------------------- drafting
 
-    def propose(self, state: PromptState) -> Draft:
-        self.past = len(state.seq) - 1
-        self.read = []
-        graph = self.graph = Graph(state.seq[-1], int(self.cfg.repeat))
-        depth = min(int(self.cfg.max_depth), state.draft_budget)
+    def propose(self, state: State) -> Draft:
+        state.past = len(state.seq) - 1
+        state.read = []
+        graph = state.graph = Graph(state.seq[-1], self.cfg.repeat)
+        depth = min(self.cfg.max_depth, state.draft_budget)
         if depth <= 0:
-            self.origin, self.own = [0], [True]
+            state.origin, state.own = [0], [True]
             return Draft(graph.tree)
-        pending = torch.tensor([state.seq[self.dcache.get_seq_length():]], device=state.device)
-        logits = self.pair.draft(pending, self.dcache, logits_to_keep=1).logits[0, -1:]
+        pending = torch.tensor([state.seq[state.dcache.get_seq_length():]], device=state.device)
+        logits = self.pair.draft(pending, state.dcache, logits_to_keep=1).logits[0, -1:]
         level, forwards = [0], 1
         for d in range(depth):
             level = self.expand(graph, level, logits)
@@ -169,14 +182,14 @@ class GSD(DraftVerify):
             if not level or d + 1 == depth or len(graph) >= self.cfg.max_nodes:
                 break
             # The draft reads the level's nodes in one forward, after the nodes it read before (its cache order).
-            logits = read_nodes(self.pair.draft, self.dcache, graph.tree, level, self.read, self.past)
-            self.read = self.read + level
+            logits = read_nodes(self.pair.draft, state.dcache, graph.tree, level, state.read, state.past)
+            state.read = state.read + level
             forwards += 1
-        tree, self.origin, self.own = graph.unroll(int(self.cfg.max_nodes), state.draft_budget)
-        t = self.tally
+        tree, state.origin, state.own = graph.unroll(self.cfg.max_nodes, state.draft_budget)
+        t = state.tally
         t["graph_nodes"] += len(graph) - 1
         t["tree_nodes"] += len(tree) - 1
-        t["copies"] += self.own.count(False)  # nodes scored under a link: the draft did not compute them there
+        t["copies"] += state.own.count(False)  # nodes scored under a link: the draft did not compute them there
         t["merges"] += graph.merges
         t["draft_forwards"] += forwards
         return Draft(tree)
@@ -185,7 +198,7 @@ class GSD(DraftVerify):
         """Add each node of ``level``'s candidates (``logits (len(level), vocab)``, the draft's after each);
         returns the new nodes, in order."""
         probs = logits.float().softmax(-1)
-        top = probs.topk(min(int(self.cfg.top_k), probs.shape[-1]), dim=-1)
+        top = probs.topk(min(self.cfg.top_k, probs.shape[-1]), dim=-1)
         new = []
         for v, values, tokens in zip(level, top.values.tolist(), top.indices.tolist()):
             for p, tok in zip(values, tokens):
@@ -198,24 +211,24 @@ class GSD(DraftVerify):
 
     # ------------------------------------------------------------------------------------------- after a step
 
-    def verify(self, state: PromptState, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
+    def verify(self, state: State, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
         path, nxt = super().verify(state, draft, logits)
         if draft.depth:
-            self.tally["steps"] += 1
-            self.tally["accepted_through_link"] += not all(self.own[v] for v in path)
+            state.tally["steps"] += 1
+            state.tally["accepted_through_link"] += not all(state.own[v] for v in path)
             # The draft's cache keeps the accepted nodes it computed in their own context, in order, before the
             # commit cuts it to the committed text; the rest of the accepted text it reads at the next step.
-            slot = {g: i + 1 for i, g in enumerate(self.read)}  # cache slot after the pending token's
+            slot = {g: i + 1 for i, g in enumerate(state.read)}  # cache slot after the pending token's
             kept = [0]
             for v in path[1:]:
-                if not self.own[v] or self.origin[v] not in slot:
+                if not state.own[v] or state.origin[v] not in slot:
                     break
-                kept.append(slot[self.origin[v]])
-            keep_path(self.dcache, self.past, kept)
+                kept.append(slot[state.origin[v]])
+            keep_path(state.dcache, state.past, kept)
         return path, nxt
 
-    def extra(self, state: PromptState) -> dict:
-        t = self.tally
+    def extra(self, state: State) -> dict:
+        t = state.tally
         steps = max(t["steps"], 1)
         return {"graph_nodes_per_step": t["graph_nodes"] / steps,
                 "tree_nodes_per_step": t["tree_nodes"] / steps,

@@ -31,7 +31,7 @@ from core.corpus import Corpus
 from core.errors import BenchError
 from core.metrics import ratio
 from core.schema import Settings
-from decoding.ngram import NGramIndex, load_corpus_ngrams, ngram_sizes
+from decoding.ngram import CorpusNGrams, NGramIndex, load_corpus_ngrams, ngram_sizes
 from decoding.tree import Tree
 from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
@@ -61,10 +61,10 @@ def load_or_build_model_db(pair, settings, build_if_missing: bool) -> list[list[
     target = pair.target.module
 
     def build(folder: Path) -> None:
-        prompts = instruction_prompts(int(settings.prompts), int(settings.seed))
+        prompts = instruction_prompts(settings.prompts, settings.seed)
         with torch.inference_mode():
             docs = [answer.tolist() for _, answer, _, _ in target_answers(
-                target, pair.tokenizer, prompts, int(settings.batch_size), int(settings.max_new_tokens),
+                target, pair.tokenizer, prompts, settings.batch_size, settings.max_new_tokens,
                 "hierarchy: target answers")]
         (folder / "docs.json").write_text(json.dumps(docs))
 
@@ -132,22 +132,21 @@ class Hierarchy(DraftVerify):
         cfg = self.cfg
         self.stats = None
         if "statistics" in cfg.databases:
-            self.stats = load_corpus_ngrams(self.pair.tokenizer, cfg.corpus, int(cfg.stat_min_ngram),
-                                            int(cfg.stat_max_ngram), int(cfg.draft_len), int(cfg.num_candidates),
-                                            self.pair.cache)
+            self.stats = load_corpus_ngrams(self.pair.tokenizer, cfg.corpus, cfg.stat_min_ngram, cfg.stat_max_ngram,
+                                            cfg.draft_len, cfg.num_candidates, self.pair.cache)
         # The model-dependent database: (prompt, output) of the target's earlier generations.
         self.model_docs: list[tuple[tuple[int, ...], list[int]]] = []
         if "model" in cfg.databases:
             if cfg.get("model_db_file"):
                 self.model_docs += load_records_db(cfg.model_db_file, self.pair.name)
-            if int(cfg.model_db.prompts) > 0:
+            if cfg.model_db.prompts > 0:
                 self.model_docs += [((), doc) for doc in load_or_build_model_db(self.pair, cfg.model_db, train_if_missing)]
         self.shared_index = self.index_of([out for _, out in self.model_docs])  # for prompts with no document
 
     def index_of(self, docs: list[list[int]]) -> NGramIndex | None:
         if not docs:
             return None
-        index = NGramIndex(int(self.cfg.min_ngram), int(self.cfg.max_ngram))
+        index = NGramIndex(self.cfg.min_ngram, self.cfg.max_ngram)
         for doc in docs:
             index.add_document(doc)
         return index
@@ -159,40 +158,47 @@ class Hierarchy(DraftVerify):
             return self.shared_index
         return self.index_of([out for p, out in self.model_docs if p != prompt])
 
-    def start(self, state: PromptState) -> None:
-        cfg = self.cfg
-        self.context = NGramIndex(int(cfg.min_ngram), int(cfg.max_ngram))
-        self.context.add_document(state.seq)
-        model = self.model_index(tuple(state.seq)) if "model" in cfg.databases else None
-        dbs = {"context": self.context if "context" in cfg.databases else None, "model": model, "statistics": self.stats}
-        self.dbs = {name: dbs[name] for name in cfg.databases if dbs[name] is not None}  # in query order
-        self.tally = {name: {"lookups": 0, "hits": 0, "proposed": 0, "accepted": 0} for name in cfg.databases}
+    class State(PromptState):
+        """One prompt's databases, in query order, and what each of them found and got accepted."""
 
-    def propose(self, state: PromptState) -> Draft:
-        self.context.extend(state.seq[len(self.context):])  # what was committed since the last step
-        k, n_cand = min(int(self.cfg.draft_len), state.draft_budget), int(self.cfg.num_candidates)
+        context: NGramIndex  # n-grams of the prompt and its output so far
+        dbs: dict[str, NGramIndex | CorpusNGrams]
+        tally: dict[str, dict[str, int]]  # per database: lookups, hits, proposed, accepted
+
+    def start(self, state: State) -> None:
+        cfg = self.cfg
+        state.context = NGramIndex(cfg.min_ngram, cfg.max_ngram)
+        state.context.add_document(state.seq)
+        model = self.model_index(tuple(state.seq)) if "model" in cfg.databases else None
+        dbs = {"context": state.context if "context" in cfg.databases else None, "model": model, "statistics": self.stats}
+        state.dbs = {name: dbs[name] for name in cfg.databases if dbs[name] is not None}  # in query order
+        state.tally = {name: {"lookups": 0, "hits": 0, "proposed": 0, "accepted": 0} for name in cfg.databases}
+
+    def propose(self, state: State) -> Draft:
+        state.context.extend(state.seq[len(state.context):])  # what was committed since the last step
+        k, n_cand = min(self.cfg.draft_len, state.draft_budget), self.cfg.num_candidates
         tree, found = Tree(state.seq[-1]), 0
-        for name, db in self.dbs.items() if k > 0 else ():
+        for name, db in state.dbs.items() if k > 0 else ():
             if found >= n_cand:
                 break
             cands = db.continuations(state.seq, k, limit=n_cand - found)
-            self.tally[name]["lookups"] += 1
-            self.tally[name]["hits"] += bool(cands)
+            state.tally[name]["lookups"] += 1
+            state.tally[name]["hits"] += bool(cands)
             for cand in cands:
                 new = tree.add(cand, name)
-                self.tally[name]["proposed"] += new
+                state.tally[name]["proposed"] += new
                 found += new > 0
         return Draft(tree)
 
-    def accepted(self, state: PromptState, draft: Draft, path: list[int], hidden) -> None:
+    def accepted(self, state: State, draft: Draft, path: list[int], hidden) -> None:
         for v in path[1:]:
-            self.tally[draft.tree.source[v]]["accepted"] += 1
+            state.tally[draft.tree.source[v]]["accepted"] += 1
 
-    def extra(self, state: PromptState) -> dict:
-        for fig in self.tally.values():
+    def extra(self, state: State) -> dict:
+        for fig in state.tally.values():
             fig["hit_rate"] = ratio(fig["hits"], fig["lookups"])  # lookups that returned a candidate
             fig["accept_rate"] = ratio(fig["accepted"], fig["proposed"])  # tree nodes it added that were kept
         return {
-            "databases": self.tally,
-            "tree_nodes": ratio(sum(f["proposed"] for f in self.tally.values()), len(state.accept_lengths)),  # per call
+            "databases": state.tally,
+            "tree_nodes": ratio(sum(f["proposed"] for f in state.tally.values()), len(state.accept_lengths)),  # per call
         }

@@ -120,70 +120,85 @@ class Nest(DraftVerify):
                 raise ValueError(f"{why}; leave it unset to build one in the cache.")
             return path
 
+    class State(PromptState):
+        """One prompt's retrieval and copying: its passages and their token index, the span in flight, the
+        source of every committed token, and the tallies ``extra`` reports."""
+
+        queries: list[torch.Tensor]  # the target's last forward's states entering its last decoder layer
+        retrieved: list[int]  # the passages retrieved for the prompt
+        index: TokenIndex  # their token keys, less the positions already copied
+        plan: list[tuple[int, int, int]]  # (token, doc, position) to propose next
+        span: list[tuple[int, int, int]]  # what this step proposed
+        sources: list[tuple[int, int] | None]  # (doc, position) per committed token; None: not copied
+        step_sources: list[tuple[int, int] | None]  # the same for this step's tokens, before the commit
+        lams: list[float]  # lambda at each step that mixed
+        gated: int  # steps where lambda < delta started a copy
+        spans: int  # steps that proposed a copied span
+        spans_whole: int  # of those, spans kept whole
+        span_tokens: int  # copied tokens proposed
+        span_kept: int  # copied tokens kept
+
     def setup(self, train_if_missing: bool = True) -> None:
         cfg = self.cfg
-        build = {"corpus": cfg.corpus, "doc_tokens": int(cfg.doc_tokens), "passage_len": int(cfg.passage_len)}
+        build = {"corpus": cfg.corpus, "doc_tokens": cfg.doc_tokens, "passage_len": cfg.passage_len}
         self.store = (open_given(cfg.datastore, self.pair, build) if cfg.datastore
                       else load_or_build_datastore(self.pair, build, train_if_missing))
         self.report = self.store.report  # what `python -m bench train method method=nest` prints
         hidden = int(self.pair.target.module.config.hidden_size)
-        self.knn_t = float(cfg.knn_temperature) if cfg.knn_temperature is not None else math.sqrt(hidden)
-
-    def decode(self, *args, **kwargs):
-        # Every target forward of this decode leaves its last layer's input states in self.states[0]: the queries.
-        with key_capture(self.pair.target.module) as self.states:
-            return super().decode(*args, **kwargs)
+        self.knn_t = cfg.knn_temperature if cfg.knn_temperature is not None else math.sqrt(hidden)
 
     # ------------------------------------------------------------------------------------------ the mixture
 
-    def mixture(self, logits: torch.Tensor | None, h: torch.Tensor) -> Mixture:
-        """p_M at each of ``n`` positions from the target's ``logits (n, vocab)`` (None: p_kNN alone) and its
-        query states ``h (n, hidden)``."""
-        cfg, index = self.cfg, self.index
+    def mixture(self, index: TokenIndex, logits: torch.Tensor | None, h: torch.Tensor) -> Mixture:
+        """p_M at each of ``n`` positions from the target's ``logits (n, vocab)`` (None: p_kNN alone), its query
+        states ``h (n, hidden)`` and the prompt's token ``index``."""
+        cfg = self.cfg
         vocab = logits.shape[-1] if logits is not None else int(self.pair.target.module.config.vocab_size)
         n = h.shape[0]
-        p_lm = torch.softmax(logits.float() / float(cfg.lm_temperature), -1) if logits is not None else None
+        p_lm = torch.softmax(logits.float() / cfg.lm_temperature, -1) if logits is not None else None
         if len(index) == 0:  # every retrieved position already copied: the LM alone
             p = p_lm if p_lm is not None else torch.full((n, vocab), 1.0 / vocab, device=h.device)
             return Mixture(p, torch.zeros_like(p), torch.ones(n, device=h.device),
                            torch.full((n,), -1, dtype=torch.long, device=h.device))
-        d2, rows = index.search(h, int(cfg.k))
+        d2, rows = index.search(h, cfg.k)
         w = torch.softmax(-d2 / self.knn_t, -1)  # (n, k') weights of the neighbours
         vals = index.vals[rows]
         p_knn = torch.zeros(n, vocab, device=h.device).scatter_add_(1, vals, w)
         # Relative Retrieval Confidence: s_max / s_min with s = -d2 is d_nearest / d_kth (0 when all are at 0).
         rel = torch.where(d2[:, -1] > 0, d2[:, 0] / d2[:, -1].clamp_min(1e-30), torch.zeros_like(d2[:, 0]))
-        lam = torch.sigmoid((rel - float(cfg.alpha)) / float(cfg.tau)) if p_lm is not None else torch.zeros(n, device=h.device)
+        lam = torch.sigmoid((rel - cfg.alpha) / cfg.tau) if p_lm is not None else torch.zeros(n, device=h.device)
         p = lam[:, None] * p_lm + (1 - lam[:, None]) * p_knn if p_lm is not None else p_knn
         best = (p.gather(1, vals) + TIE * w).argmax(-1, keepdim=True)  # the neighbour whose token p_M likes best
         return Mixture(p, p_knn, lam, rows.gather(1, best)[:, 0])
 
     def passes(self, p: torch.Tensor, token: int) -> bool:
         """The relaxed rule: ``token`` stays when p_M(token) > ½ γ max p_M (``p``: ``(vocab,)``)."""
-        return bool(p[token] > 0.5 * float(self.cfg.gamma) * p.max())
+        return bool(p[token] > 0.5 * self.cfg.gamma * p.max())
 
-    def source(self, row: int) -> tuple[int, int]:
-        """(document, position) of the token after key ``row`` of the prompt's index."""
-        return int(self.index.doc[row]), int(self.index.pos[row])
+    @staticmethod
+    def source(index: TokenIndex, row: int) -> tuple[int, int]:
+        """(document, position) of the token after key ``row`` of the prompt's ``index``."""
+        return int(index.doc[row]), int(index.pos[row])
 
     def continuation(self, doc: int, pos: int) -> list[tuple[int, int, int]]:
         """``(token, doc, position)`` of up to ``span_len`` tokens after position ``pos`` of document ``doc``."""
         text = self.store.doc_tokens(doc)
-        end = min(len(text), pos + 1 + int(self.cfg.span_len))
+        end = min(len(text), pos + 1 + self.cfg.span_len)
         return [(int(text[q]), doc, q) for q in range(pos + 1, end)]
 
-    def choose(self, state: PromptState, mix: Mixture, row: int, span: list, kept_whole: bool) -> tuple[int, tuple | None]:
+    def choose(self, state: State, mix: Mixture, row: int, span: list, kept_whole: bool) -> tuple[int, tuple | None]:
         """The token after the kept prefix (``mix`` row ``row``) and its source, ``None`` for the LM's own."""
         p, top = mix.p[row], int(mix.top[row])
         if span and kept_whole:  # a copied span kept whole goes on in its passage, checked like its tokens
             doc, pos = span[-1][1], span[-1][2] + 1
             if pos < len(self.store.doc_tokens(doc)) and self.passes(p, tok := int(self.store.doc_tokens(doc)[pos])):
                 return tok, (doc, pos)
-        self.lams.append(float(mix.lam[row]))
-        top_tok = int(self.index.vals[top]) if top >= 0 else -1
-        if kept_whole and top >= 0 and float(mix.lam[row]) < float(self.cfg.delta) and self.passes(p, top_tok):
-            self.gated += 1
-            return top_tok, self.source(top)  # dynamic span selection: retrieval is confident, copy from there
+        state.lams.append(float(mix.lam[row]))
+        top_tok = int(state.index.vals[top]) if top >= 0 else -1
+        if kept_whole and top >= 0 and float(mix.lam[row]) < self.cfg.delta and self.passes(p, top_tok):
+            state.gated += 1
+            # Dynamic span selection: retrieval is confident, copy from there.
+            return top_tok, self.source(state.index, top)
         if state.sampling.greedy:
             tok = int(p.argmax())
         else:
@@ -193,49 +208,48 @@ class Nest(DraftVerify):
 
     # ------------------------------------------------------------------------------------------ the loop
 
-    def start(self, state: PromptState) -> None:
+    def start(self, state: State) -> None:
+        # From here on every target forward leaves its last layer's input states in state.queries[0]: the queries.
+        state.queries = state.closing.enter_context(key_capture(self.pair.target.module))  # closed by the base
         query = self.pair.tokenizer.decode(state.prompt_ids[0].tolist(), skip_special_tokens=True)
-        self.retrieved = self.store.retrieve(query, int(self.cfg.passages))
-        self.index = TokenIndex(self.store, self.retrieved, state.device)
-        self.plan: list[tuple[int, int, int]] = []  # (token, doc, position) to propose next
-        self.span: list[tuple[int, int, int]] = []  # what this step proposed
-        self.sources: list[tuple[int, int] | None] = [None]  # per committed token; the prefill's is the target's
-        self.step_sources: list = []
-        self.lams: list[float] = []
-        self.gated = self.spans = self.spans_whole = self.span_tokens = self.span_kept = 0
-        # The prefill's token is the target's own: not cited; copies start from the first verifying forward on.
+        state.retrieved = self.store.retrieve(query, self.cfg.passages)
+        state.index = TokenIndex(self.store, state.retrieved, state.device)
+        state.plan, state.span, state.step_sources, state.lams = [], [], [], []
+        state.sources = [None]  # the prefill's token is the target's own: not cited
+        state.gated = state.spans = state.spans_whole = state.span_tokens = state.span_kept = 0
+        # Copies start from the first verifying forward on.
 
-    def propose(self, state: PromptState) -> Draft:
-        self.span = self.plan[: max(state.draft_budget, 0)]
-        self.spans += bool(self.span)
-        self.span_tokens += len(self.span)
-        return Draft.chain(state.seq[-1], [t for t, _, _ in self.span])
+    def propose(self, state: State) -> Draft:
+        state.span = state.plan[: max(state.draft_budget, 0)]
+        state.spans += bool(state.span)
+        state.span_tokens += len(state.span)
+        return Draft.chain(state.seq[-1], [t for t, _, _ in state.span])
 
-    def verify(self, state: PromptState, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
+    def verify(self, state: State, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
         """Relaxed acceptance of the copied span; the next token from the mixture after the kept prefix."""
-        mix = self.mixture(logits, self.states[0][0])
+        mix = self.mixture(state.index, logits, state.queries[0][0])
         kept = 0
-        for i, (tok, _, _) in enumerate(self.span):  # row i scores the token after node i
+        for i, (tok, _, _) in enumerate(state.span):  # row i scores the token after node i
             if not self.passes(mix.p[i], tok):
                 break
             kept += 1
-        nxt, src = self.choose(state, mix, kept, self.span, kept_whole=kept == len(self.span))
-        self.step_sources = [(d, q) for _, d, q in self.span[:kept]] + [src]
-        self.plan = self.continuation(*src) if src is not None else []
+        nxt, src = self.choose(state, mix, kept, state.span, kept_whole=kept == len(state.span))
+        state.step_sources = [(d, q) for _, d, q in state.span[:kept]] + [src]
+        state.plan = self.continuation(*src) if src is not None else []
         return list(range(kept + 1)), nxt
 
-    def accepted(self, state: PromptState, draft: Draft, path: list[int], hidden) -> None:
-        committed = self.step_sources[: len(state.out) - len(self.sources)]  # the commit may stop at EOS / budget
-        self.sources += committed
+    def accepted(self, state: State, draft: Draft, path: list[int], hidden) -> None:
+        committed = state.step_sources[: len(state.out) - len(state.sources)]  # the commit may stop at EOS / budget
+        state.sources += committed
         for s in committed:
             if s is not None:
-                self.index.drop(*s)  # copied text is not retrieved again
-        if self.span:
-            self.span_kept += len(path) - 1
-            self.spans_whole += len(path) - 1 == len(self.span)
+                state.index.drop(*s)  # copied text is not retrieved again
+        if state.span:
+            state.span_kept += len(path) - 1
+            state.spans_whole += len(path) - 1 == len(state.span)
 
-    def extra(self, state: PromptState) -> dict:
-        srcs = self.sources[: len(state.out)]
+    def extra(self, state: State) -> dict:
+        srcs = state.sources[: len(state.out)]
         cited = [s for s in srcs if s is not None]
         nearby = [None, *srcs, None]  # a cited token whose neighbour continues the same document is in a span
         in_spans = sum(1 for i, s in enumerate(srcs, 1) if s is not None and (
@@ -248,11 +262,11 @@ class Nest(DraftVerify):
             # the same, counting only runs of >= 2 consecutive tokens of one document (not one-token agreements)
             "attribution_rate_spans": ratio(in_spans, len(state.out)),
             "sources": [{"doc": docs[d]["id"], "title": docs[d]["title"], "tokens": n} for d, n in by_doc.most_common()],
-            "spans_proposed": self.spans,  # target calls that scored a copied span
-            "spans_accepted": self.spans_whole,  # of those, spans kept whole
-            "span_tokens_proposed": self.span_tokens,
-            "span_tokens_accepted": self.span_kept,
-            "spans_selected": self.gated,  # steps where lambda < delta started a copy (dynamic span selection)
-            "retrieval_weight": ratio(sum(1 - x for x in self.lams), len(self.lams)),  # mean 1 - lambda
-            "retrieved": list(dict.fromkeys(docs[self.store.passages[i]["doc"]]["id"] for i in self.retrieved)),
+            "spans_proposed": state.spans,  # target calls that scored a copied span
+            "spans_accepted": state.spans_whole,  # of those, spans kept whole
+            "span_tokens_proposed": state.span_tokens,
+            "span_tokens_accepted": state.span_kept,
+            "spans_selected": state.gated,  # steps where lambda < delta started a copy (dynamic span selection)
+            "retrieval_weight": ratio(sum(1 - x for x in state.lams), len(state.lams)),  # mean 1 - lambda
+            "retrieved": list(dict.fromkeys(docs[self.store.passages[i]["doc"]]["id"] for i in state.retrieved)),
         }

@@ -31,24 +31,31 @@ class PLD(DraftVerify):
         def sizes(self):
             return ngram_sizes(self)
 
-    def start(self, state: PromptState) -> None:
-        self.index = NGramIndex(int(self.cfg.min_ngram), int(self.cfg.max_ngram))
-        self.index.add_document(state.seq)
-        self.lookups = self.hits = 0
+    class State(PromptState):
+        """One prompt's lookups: the n-gram index of its text, and how often a lookup found a continuation."""
 
-    def propose(self, state: PromptState) -> Draft:
-        self.index.extend(state.seq[len(self.index):])  # what was committed since the last step
-        k = min(int(self.cfg.draft_len), state.draft_budget)
-        found = self.index.continuations(state.seq, k) if k > 0 else []
-        self.lookups += k > 0
-        self.hits += bool(found)
+        index: NGramIndex  # n-grams of the prompt and its output so far
+        lookups: int  # steps that looked for a match
+        hits: int  # of those, the ones that found one
+
+    def start(self, state: State) -> None:
+        state.index = NGramIndex(self.cfg.min_ngram, self.cfg.max_ngram)
+        state.index.add_document(state.seq)
+        state.lookups = state.hits = 0
+
+    def propose(self, state: State) -> Draft:
+        state.index.extend(state.seq[len(state.index):])  # what was committed since the last step
+        k = min(self.cfg.draft_len, state.draft_budget)
+        found = state.index.continuations(state.seq, k) if k > 0 else []
+        state.lookups += k > 0
+        state.hits += bool(found)
         return Draft.chain(state.seq[-1], found[0] if found else [])
 
-    def extra(self, state: PromptState) -> dict:
+    def extra(self, state: State) -> dict:
         proposed, accepted = sum(state.drafted), sum(a - 1 for a in state.accept_lengths)
         return {
-            "lookups": self.lookups,  # steps that looked for a match (a draft was allowed)
-            "hit_rate": ratio(self.hits, self.lookups),  # lookups that found a continuation
+            "lookups": state.lookups,  # steps that looked for a match (a draft was allowed)
+            "hit_rate": ratio(state.hits, state.lookups),  # lookups that found a continuation
             "proposed": proposed,  # tokens proposed from the text
             "accepted": accepted,  # proposed tokens the target kept
             "accept_rate": ratio(accepted, proposed),

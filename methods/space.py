@@ -120,7 +120,7 @@ class Space(DraftVerify):
 
     def setup(self, train_if_missing: bool = True) -> None:
         target = self.pair.target.module
-        emb, self.report = load_or_train_space(target, self.pair.tokenizer, int(self.cfg.masks), self.cfg.recipe,
+        emb, self.report = load_or_train_space(target, self.pair.tokenizer, self.cfg.masks, self.cfg.recipe,
                                                self.pair.teacher, train_if_missing)
         with torch.no_grad():
             self.embeddings = emb().to(device=self.pair.device, dtype=self.pair.dtype)  # (k, hidden)
@@ -146,14 +146,21 @@ class Space(DraftVerify):
 
     # ------------------------------------------------------------------------------------------- the loop
 
+    class State(PromptState):
+        """One prompt's tallies: per mask position the candidates tested and accepted, and the tokens per call."""
+
+        tried: list[int]  # per mask position j: candidates j tested (offered with the j before it accepted)
+        hits: list[int]  # ... and accepted
+        scored: list[int]  # per target call after the prefill: tokens the target scored
+
     def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> DecodeOutput:
         # Not DraftVerify's loop: the prefill itself carries a mask group, and each step's candidates come from the
         # previous step's forward, not from a propose() before it. The commit and cache rules are the base's.
-        if self.embeddings is None:
-            self.setup(train_if_missing=False)
-        state = PromptState(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens)
-        k = int(self.cfg.masks)
-        self.tried, self.hits, self.scored = [0] * k, [0] * k, []
+        # setup() loads the trained part before the timed decode; never lazily inside it.
+        assert self.embeddings is not None, "call setup() before decode()"
+        state = self.State(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens)
+        k = self.cfg.masks
+        state.tried, state.hits, state.scored = [0] * k, [0] * k, []
         # The prefill: the prompt, then one group of masks (causal: each mask sees the prompt and the masks
         # before it). Its last k + 1 rows: the target's first token, then the first candidates.
         with self.masked(state.seq + [MASK] * k) as ids:
@@ -164,10 +171,10 @@ class Space(DraftVerify):
             candidates = self.step(state, candidates[: max(state.draft_budget, 0)])
         return state.output(self.extra(state))
 
-    def step(self, state: PromptState, candidates: list[int]) -> list[int]:
+    def step(self, state: State, candidates: list[int]) -> list[int]:
         """ONE target forward over the layout of ``candidates`` (as many as the budget leaves room for): verify
         them, commit, and return the next candidates (the masks' argmax of the group after the accepted ones)."""
-        k, a = int(self.cfg.masks), len(candidates)
+        k, a = self.cfg.masks, len(candidates)
         # With no room left the target's own token is the last one: no candidates to verify, none to make.
         tree, chain, groups = layout(state.seq[-1], candidates, k if state.draft_budget > 0 else 0)
         past = state.cache.get_seq_length()
@@ -178,20 +185,20 @@ class Space(DraftVerify):
         # the candidates are deterministic), then its own token.
         n, nxt = verify_chain(tokens, None, logits[chain], state.sampling, state.generator)
         for j in range(min(n + 1, a)):  # candidate j was tested when the j before it were accepted
-            self.tried[j] += 1
-            self.hits[j] += j < n
-        self.scored.append(len(tree))
+            state.tried[j] += 1
+            state.hits[j] += j < n
+        state.scored.append(len(tree))
         keep_path(state.cache, past, chain[: n + 1])  # the pending token and the accepted candidates; no mask
         state.commit(candidates[:n] + [nxt], drafted=a)
         return logits[groups[n]].argmax(-1).tolist() if groups[n] else []
 
-    def extra(self, state: PromptState) -> dict:
+    def extra(self, state: State) -> dict:
         calls = len(state.accept_lengths)
         return {
             # candidates accepted per target call after the prefill (the target's own token not counted)
             "accepted_per_call": ratio(sum(state.accept_lengths) - calls, calls),
             # per mask position j: accepted / tested (tested: offered with c_0 .. c_{j-1} accepted)
-            "acceptance_by_mask": [ratio(h, t) for h, t in zip(self.hits, self.tried)],
+            "acceptance_by_mask": [ratio(h, t) for h, t in zip(state.hits, state.tried)],
             # tokens the target scores per call after the prefill: (k + 1)^2 with a full set of candidates
-            "tokens_per_call": ratio(sum(self.scored), len(self.scored)),
+            "tokens_per_call": ratio(sum(state.scored), len(state.scored)),
         }

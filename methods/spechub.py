@@ -62,6 +62,7 @@ from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
+from transformers import DynamicCache
 
 from decoding.sampling import probs_from_logits, sample
 from decoding.tree import Tree, keep_path, read_nodes
@@ -109,33 +110,43 @@ class SpecHub(DraftVerify):
                                  "draft's top token with one other draft; use verifier=rrs or rrs_wo for more.")
             return self
 
-    def start(self, state: PromptState) -> None:
+    class State(PromptState):
+        """One prompt's drafting and root tallies: the draft's KV cache, this step's root, what was kept there."""
+
+        dcache: DynamicCache
+        past: int  # this step's pending position, where the draft's tree starts
+        root_q: torch.Tensor | None  # the draft's q at the pending token, (vocab,); None when greedy
+        root_top: int  # the draft's top token there
+        calls: int  # target calls that scored a drafted tree
+        kept_by_draft: list[int]  # root acceptances, by the sequence kept
+        kept_top: int  # root acceptances of the draft's top token
+        expected: dict[str, list[float]]  # per call, each scheme's expected root acceptance (sampling, 2 drafts)
+
+    def start(self, state: State) -> None:
         # The draft reads the prompt once (its cost, counted); afterwards only what it has not read.
-        self.dcache = state.draft_cache(self.pair.draft)
-        self.k, self.gamma = int(self.cfg.drafts), int(self.cfg.gamma)
-        self.past = 0  # this step's pending position, where the draft's tree starts
-        self.root_q: torch.Tensor | None = None  # the draft's q at the pending token, (vocab,); None when greedy
-        self.root_top = -1  # the draft's top token there
-        self.calls = 0
-        self.kept_by_draft = [0] * self.k  # root acceptances, by the sequence kept
-        self.kept_top = 0  # root acceptances of the draft's top token
-        self.expected: dict[str, list[float]] = {"hub": [], "rrs": []}
+        state.dcache = state.draft_cache(self.pair.draft)
+        state.past = 0
+        state.root_q, state.root_top = None, -1
+        state.calls = 0
+        state.kept_by_draft = [0] * self.cfg.drafts
+        state.kept_top = 0
+        state.expected = {"hub": [], "rrs": []}
 
     # ------------------------------------------------------------------------------------------- drafting
 
-    def propose(self, state: PromptState) -> Draft:
-        depth = min(self.gamma, state.draft_budget)
-        self.past = len(state.seq) - 1
+    def propose(self, state: State) -> Draft:
+        depth = min(self.cfg.gamma, state.draft_budget)
+        state.past = len(state.seq) - 1
         tree = Tree(state.seq[-1])
         if depth <= 0:
             return Draft(tree)
-        pending = torch.tensor([state.seq[self.dcache.get_seq_length():]], device=state.device)
-        logits = self.pair.draft(pending, self.dcache, logits_to_keep=1).logits[0, -1]
+        pending = torch.tensor([state.seq[state.dcache.get_seq_length():]], device=state.device)
+        logits = self.pair.draft(pending, state.dcache, logits_to_keep=1).logits[0, -1]
         tokens, rows = self.first_tokens(state, logits)
         level = [tree.add_child(0, t, merge=False) for t in tokens]
         for _ in range(depth - 1):
             # The draft reads the tree level by level: the levels above are in its cache, in node order.
-            logits = read_nodes(self.pair.draft, self.dcache, tree, level, list(range(1, level[0])), self.past)
+            logits = read_nodes(self.pair.draft, state.dcache, tree, level, list(range(1, level[0])), state.past)
             if state.sampling.greedy:
                 nxt = logits.argmax(-1)
             else:
@@ -146,25 +157,26 @@ class SpecHub(DraftVerify):
         q = torch.stack([rows[0].new_zeros(rows[0].shape), *rows]) if rows else None  # row 0: the root, unused
         return Draft(tree, q)
 
-    def first_tokens(self, state: PromptState, logits: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
+    def first_tokens(self, state: State, logits: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
         """The k sequences' first tokens after the pending one, and the row of q each is verified with (none when
         greedy). ``logits (vocab,)``: the draft's at the pending token."""
+        k = self.cfg.drafts
         if state.sampling.greedy:
-            self.root_q, self.root_top = None, hub_token(logits)
-            return logits.topk(min(self.k, logits.shape[-1])).indices.tolist(), []
-        q = self.root_q = probs_from_logits(logits, state.sampling)
-        self.root_top = hub_token(q)  # the hub, as draw_hub_pair and verify_hub find it
+            state.root_q, state.root_top = None, hub_token(logits)
+            return logits.topk(min(k, logits.shape[-1])).indices.tolist(), []
+        q = state.root_q = probs_from_logits(logits, state.sampling)
+        state.root_top = hub_token(q)  # the hub, as draw_hub_pair and verify_hub find it
         if self.cfg.verifier == "rrs_wo":
-            return draw_without_replacement(q, self.k, state.generator)
+            return draw_without_replacement(q, k, state.generator)
         if self.cfg.verifier == "hub":
-            tokens = draw_hub_pair(q, state.generator) if self.k == 2 else [int(sample(q, state.generator))]
+            tokens = draw_hub_pair(q, state.generator) if k == 2 else [int(sample(q, state.generator))]
         else:
-            tokens = sample(q.expand(self.k, -1), state.generator).tolist()
+            tokens = sample(q.expand(k, -1), state.generator).tolist()
         return tokens, [q] * len(tokens)  # a hub pair: both rows hold the q its joint distribution is built on
 
     # ------------------------------------------------------------------------------------------- verifying
 
-    def verify(self, state: PromptState, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
+    def verify(self, state: State, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
         if self.cfg.verifier == "hub":
             path, nxt = verify_hub(draft.tree, logits, state.sampling, state.generator, draft.q)
         else:
@@ -173,33 +185,33 @@ class SpecHub(DraftVerify):
             self.tally(state, draft, logits, path)
             # The draft read the nodes above the leaves; keep the accepted ones' entries, in order, before the
             # commit rolls its cache back to the committed text (which they then are).
-            keep_path(self.dcache, self.past, path[: draft.depth])
+            keep_path(state.dcache, state.past, path[: draft.depth])
         return path, nxt
 
-    def tally(self, state: PromptState, draft: Draft, logits: torch.Tensor, path: list[int]) -> None:
+    def tally(self, state: State, draft: Draft, logits: torch.Tensor, path: list[int]) -> None:
         """Which root draft was kept; and, when sampling two drafts, both schemes' expected root acceptance on
         this very context (the same p and q: a paired comparison, free of sampling noise)."""
-        self.calls += 1
+        state.calls += 1
         if len(path) > 1:
-            self.kept_by_draft[draft.tree.children[0].index(path[1])] += 1
-            self.kept_top += draft.tree.tokens[path[1]] == self.root_top
-        if self.root_q is not None and self.k == 2:
+            state.kept_by_draft[draft.tree.children[0].index(path[1])] += 1
+            state.kept_top += draft.tree.tokens[path[1]] == state.root_top
+        if state.root_q is not None and self.cfg.drafts == 2:
             p = probs_from_logits(logits[0], state.sampling)
-            self.expected["hub"].append(hub_acceptance(p, self.root_q))
-            self.expected["rrs"].append(rrs_acceptance(p, self.root_q, 2))
+            state.expected["hub"].append(hub_acceptance(p, state.root_q))
+            state.expected["rrs"].append(rrs_acceptance(p, state.root_q, 2))
 
-    def extra(self, state: PromptState) -> dict:
-        kept = sum(self.kept_by_draft)
+    def extra(self, state: State) -> dict:
+        kept = sum(state.kept_by_draft)
         steps = state.accept_lengths
 
         def mean(xs):
             return sum(xs) / len(xs) if xs else float("nan")
 
-        return {"verifier": self.cfg.verifier, "drafts": self.k,
+        return {"verifier": self.cfg.verifier, "drafts": self.cfg.drafts,
                 "accepted_per_call": mean(steps),
-                "root_accept_rate": kept / self.calls if self.calls else float("nan"),
-                "root_kept_by_draft": list(self.kept_by_draft),
-                "root_kept_top_share": self.kept_top / kept if kept else float("nan"),
+                "root_accept_rate": kept / state.calls if state.calls else float("nan"),
+                "root_kept_by_draft": list(state.kept_by_draft),
+                "root_kept_top_share": state.kept_top / kept if kept else float("nan"),
                 # Sampling with 2 drafts: P(a root draft is kept) under each scheme, from the step's p and q.
-                "root_accept_expected_hub": mean(self.expected["hub"]),
-                "root_accept_expected_rrs": mean(self.expected["rrs"])}
+                "root_accept_expected_hub": mean(state.expected["hub"]),
+                "root_accept_expected_rrs": mean(state.expected["rrs"])}

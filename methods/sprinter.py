@@ -25,6 +25,7 @@ from collections import Counter
 
 import torch
 from pydantic import Field
+from transformers import DynamicCache
 
 from core.counting import CountedModule
 from core.errors import BenchError
@@ -62,18 +63,25 @@ class Sprinter(DraftVerify):
                              f"{expected}; delete {verifier_dir(self.pair, self.cfg.verifier)} to retrain it.")
         self.verifier = self.pair.add(CountedModule(model.to(self.pair.device), "verifier"))
 
-    def draft_run(self, state: PromptState, limit: int):
+    class State(PromptState):
+        """One prompt's drafting: the draft's KV cache, the last run's checked token's q, and the run tallies."""
+
+        dcache: DynamicCache
+        q_last: torch.Tensor | None  # (vocab,): what the run's last token was drawn from; None when greedy
+        stats: Counter  # runs by how they ended, unchecked tokens, checked tokens rejected (see extra)
+
+    def draft_run(self, state: State, limit: int):
         """Draft up to ``limit`` tokens after ``state.seq``, stopping at the first token the verifier flags.
 
         Returns ``(tokens, q_last, why)``: the drafted token ids, the distribution the last one was drawn
         from (``FloatTensor (vocab,)``, ``None`` when greedy) and why the run ended (``flagged``,
         ``max_run``, ``eos`` or ``budget``). The last token is the one the target will check.
         """
-        threshold, use_probs, sampling = float(self.cfg.threshold), bool(self.cfg.verifier.probs), state.sampling
-        x = torch.tensor([state.seq[self.dcache.get_seq_length():]], device=state.device)
+        threshold, use_probs, sampling = self.cfg.threshold, self.cfg.verifier.probs, state.sampling
+        x = torch.tensor([state.seq[state.dcache.get_seq_length():]], device=state.device)
         tokens, q = [], None
         for i in range(limit):
-            logits, hidden = draft_forward(self.pair.draft, x, self.dcache, logits_to_keep=1)
+            logits, hidden = draft_forward(self.pair.draft, x, state.dcache, logits_to_keep=1)
             logits, hidden = logits[0, -1], hidden[0, -1]
             if sampling.greedy:
                 tok = logits.argmax(-1)
@@ -83,7 +91,7 @@ class Sprinter(DraftVerify):
             tokens.append(int(tok))
             if i == limit - 1:
                 # The target checks this token anyway: no need to ask the verifier.
-                return tokens, q, "max_run" if limit == int(self.cfg.max_run) else "budget"
+                return tokens, q, "max_run" if limit == self.cfg.max_run else "budget"
             if tokens[-1] in self.eos_ids:
                 return tokens, q, "eos"  # an end of answer is always checked, never waved through
             score = torch.sigmoid(self.verifier(features(hidden, logits, use_probs).unsqueeze(0)))[0]
@@ -96,40 +104,41 @@ class Sprinter(DraftVerify):
     def trains(cls, pair_spec) -> bool:
         return True  # the verifier
 
-    def start(self, state: PromptState) -> None:
-        self.dcache = state.draft_cache(self.pair.draft)  # the draft reads the prompt: its cost
-        self.stats = Counter()
+    def start(self, state: State) -> None:
+        state.dcache = state.draft_cache(self.pair.draft)  # the draft reads the prompt: its cost
+        state.q_last = None
+        state.stats = Counter()
 
-    def propose(self, state: PromptState) -> Draft:
+    def propose(self, state: State) -> Draft:
         # Never draft past the budget: the target's own token fills the last slot.
-        tokens, self.q_last, why = self.draft_run(state, min(int(self.cfg.max_run), state.draft_budget))
-        self.stats[f"runs_{why}"] += 1
+        tokens, state.q_last, why = self.draft_run(state, min(self.cfg.max_run, state.draft_budget))
+        state.stats[f"runs_{why}"] += 1
         # ONE target forward over the pending token and the run; only the last two rows are needed:
         # the row scoring the last drafted token and the bonus row after it.
         return Draft(Tree.chain(state.seq[-1], tokens), logit_rows=min(2, len(tokens) + 1))
 
-    def verify(self, state: PromptState, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
+    def verify(self, state: State, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
         k = draft.depth
         if k == 0:
             return [0], int(next_token(logits[-1], state.sampling, state.generator))
-        q = self.q_last.unsqueeze(0) if self.q_last is not None else None
+        q = state.q_last.unsqueeze(0) if state.q_last is not None else None
         # The SD rule on the last token only; the k - 1 before it are committed unchecked.
         last = torch.tensor(draft.tree.tokens[-1:], device=logits.device)
         n, nxt = verify_chain(last, q, logits, state.sampling, state.generator)
-        self.stats["checked_rejected"] += 1 - n
-        self.stats["unchecked_tokens"] += k - 1
+        state.stats["checked_rejected"] += 1 - n
+        state.stats["unchecked_tokens"] += k - 1
         return list(range(k + n)), nxt
 
-    def extra(self, state: PromptState) -> dict:
+    def extra(self, state: State) -> dict:
         return {
             # Drafted tokens committed without any target check (counted before the EOS / budget cut).
-            "unchecked_tokens": self.stats["unchecked_tokens"],
+            "unchecked_tokens": state.stats["unchecked_tokens"],
             # Runs that ended because the verifier flagged a token / reached max_run / drafted EOS / hit
             # the token budget; each ends in one target call.
-            "runs_flagged": self.stats["runs_flagged"],
-            "runs_max_run": self.stats["runs_max_run"],
-            "runs_eos": self.stats["runs_eos"],
-            "runs_budget": self.stats["runs_budget"],
+            "runs_flagged": state.stats["runs_flagged"],
+            "runs_max_run": state.stats["runs_max_run"],
+            "runs_eos": state.stats["runs_eos"],
+            "runs_budget": state.stats["runs_budget"],
             # Checked (last) tokens the target rejected and replaced.
-            "checked_rejected": self.stats["checked_rejected"],
+            "checked_rejected": state.stats["checked_rejected"],
         }

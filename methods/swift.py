@@ -33,6 +33,7 @@ from typing import Literal
 
 import torch
 from pydantic import Field, field_validator, model_validator
+from transformers import DynamicCache
 
 from core.metrics import ratio
 from decoding.cache import truncate_cache
@@ -106,6 +107,8 @@ class Swift(DraftVerify):
 
     def setup(self, train_if_missing: bool = True) -> None:
         self.n_layers = n_layers_of(self.pair.target)
+        # The draft's skip set and the online search outlive a prompt by design: the search's state carries over
+        # to the next prompts until it stops (the module docstring), so both stay on the method, not the State.
         self.draft_lm = self.pair.add(SkippingLM(self.pair.target, "draft_skip"))
         self.search, self.built = None, {}
         if self.cfg.search == "online":
@@ -122,46 +125,56 @@ class Swift(DraftVerify):
         start.check(self.n_layers, f"method.search={self.cfg.search}'s skip set")
         self.draft_lm.use(start)
 
-    def start(self, state: PromptState) -> None:
-        self.steps = self.search_iters = 0
-        self.search_s, self.window_cache = 0.0, None
-        self.chain_lens, self.candidates = [], []
+    class State(PromptState):
+        """One prompt's steps, its share of the online search, and what each step drafted."""
+
+        steps: int  # decoding steps so far (the search runs every search_every-th)
+        search_iters: int  # online search iterations run inside this decode
+        search_s: float  # ... and their seconds (harness clock)
+        window_cache: DynamicCache | None  # the prompt's KV the search scores candidates after; copied at first use
+        chain_lens: list[int]  # per target call: tokens the skipping target drafted
+        candidates: list[int]  # per target call: tree nodes the target scored
+
+    def start(self, state: State) -> None:
+        state.steps = state.search_iters = 0
+        state.search_s, state.window_cache = 0.0, None
+        state.chain_lens, state.candidates = [], []
 
     # ------------------------------------------------------------------------------------------ the search
 
-    def search_step(self, state: PromptState) -> None:
+    def search_step(self, state: State) -> None:
         """One iteration of the online search, on this prompt's first ``context_window + 1`` generated tokens."""
-        window = state.out[: int(self.cfg.context_window) + 1]
+        window = state.out[: self.cfg.context_window + 1]
 
         def score(cand: SkipSet) -> float:
-            if self.window_cache is None:  # the prompt's KV, copied once per prompt (on the search's clock)
-                self.window_cache = prompt_cache(state.cache, state.prompt_len)
+            if state.window_cache is None:  # the prompt's KV, copied once per prompt (on the search's clock)
+                state.window_cache = prompt_cache(state.cache, state.prompt_len)
             self.search_lm.use(cand)
-            return matchness(self.search_lm, self.window_cache, window)
+            return matchness(self.search_lm, state.window_cache, window)
 
         before = self.search.seconds
         if self.search.step(score, state.device):
             self.draft_lm.use(self.search.best)
-        self.search_iters += 1
-        self.search_s += self.search.seconds - before
+        state.search_iters += 1
+        state.search_s += self.search.seconds - before
 
     # ------------------------------------------------------------------------------------------- drafting
 
-    def propose(self, state: PromptState) -> Draft:
+    def propose(self, state: State) -> Draft:
         searching = self.search is not None and not self.search.done
-        if searching and len(state.out) > int(self.cfg.context_window) + 1 and self.steps % int(self.cfg.search_every) == 0:
+        if searching and len(state.out) > self.cfg.context_window + 1 and state.steps % self.cfg.search_every == 0:
             self.search_step(state)
-        self.steps += 1
-        k = min(int(self.cfg.max_draft), state.draft_budget)
+        state.steps += 1
+        k = min(self.cfg.max_draft, state.draft_budget)
         if k <= 0:
             return Draft.chain(state.seq[-1], [])
         chain, confidences, rows = self.draft_chain(state, k)
         draft = self.tree(state, chain, confidences, rows)
-        self.chain_lens.append(len(chain))
-        self.candidates.append(len(draft.tree) - 1)
+        state.chain_lens.append(len(chain))
+        state.candidates.append(len(draft.tree) - 1)
         return draft
 
-    def draft_chain(self, state: PromptState, k: int) -> tuple[list[int], list[float], list[torch.Tensor]]:
+    def draft_chain(self, state: State, k: int) -> tuple[list[int], list[float], list[torch.Tensor]]:
         """Up to ``k`` tokens from the skipping target, each its argmax or a sample, stopping after one whose
         (untempered) probability is below ``confidence``. Returns the tokens, those probabilities and per
         token the logits (greedy) or the distribution it was drawn from (sampling), ``(vocab,)`` each."""
@@ -178,12 +191,12 @@ class Swift(DraftVerify):
             chain.append(x)
             confidences.append(float(p[x]))
             rows.append(row)
-            if confidences[-1] < float(self.cfg.confidence):
+            if confidences[-1] < self.cfg.confidence:
                 break
         truncate_cache(state.cache, past)  # the committed text again: the target recomputes every layer
         return chain, confidences, rows
 
-    def tree(self, state: PromptState, chain: list[int], confidences: list[float], rows: list[torch.Tensor]) -> Draft:
+    def tree(self, state: State, chain: list[int], confidences: list[float], rows: list[torch.Tensor]) -> Draft:
         """The chain and, at each position, ``width(confidence) - 1`` more candidates as siblings of its token:
         the next-best tokens (greedy; deterministic, ``q = None``) or more draws from the same distribution
         (sampling; ``q`` holds it for each, as the tree verifier's recursive rejection sampling needs)."""
@@ -207,18 +220,18 @@ class Swift(DraftVerify):
         q = None if greedy else torch.stack([torch.zeros_like(qs[0])] + qs)
         return Draft(tree, q)
 
-    def extra(self, state: PromptState) -> dict:
+    def extra(self, state: State) -> dict:
         search = self.search
-        calls = len(self.chain_lens)
+        calls = len(state.chain_lens)
         return {
             "search": self.cfg.search,
             **self.draft_lm.skip.as_dict(),  # the skip set in use at the end of this prompt
             "skipped": self.draft_lm.skip.size,  # sub-layers the draft skips, of 2 per layer
-            "search_iters": self.search_iters,  # online: search iterations run inside this decode
-            "search_s": self.search_s,  # ... and their seconds (harness clock), part of this decode's wall time
+            "search_iters": state.search_iters,  # online: search iterations run inside this decode
+            "search_s": state.search_s,  # ... and their seconds (harness clock), part of this decode's wall time
             "search_score": search.best_score if search else self.built.get("score", float("nan")),
             "search_done": search.done if search else True,
             "search_build_s": self.built.get("search_s", 0.0),  # cached: the one-off search before any timing
-            "drafted_per_call": ratio(sum(self.chain_lens), calls),  # the skipping target's chain, per target call
-            "candidates_per_call": ratio(sum(self.candidates), calls),  # tree nodes the target scores, per call
+            "drafted_per_call": ratio(sum(state.chain_lens), calls),  # the skipping target's chain, per target call
+            "candidates_per_call": ratio(sum(state.candidates), calls),  # tree nodes the target scores, per call
         }

@@ -147,3 +147,15 @@ def assert_cache_is_a_plain_pass(module, cache, prompt: list[int], seq: list[int
     for mine, ref in zip(cache.layers, fresh.layers, strict=True):
         torch.testing.assert_close(mine.keys, ref.keys, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(mine.values, ref.values, atol=1e-4, rtol=1e-4)
+
+
+def run_keeping_state(method, *args, **kwargs):
+    """:func:`run`, and the prompt's state as the decode left it (read by the loop's last hook, ``extra``)."""
+    states = []
+    method.extra = lambda state: states.append(state) or type(method).extra(method, state)
+    try:
+        out = run(method, *args, **kwargs)
+    finally:
+        del method.extra
+    (state,) = states
+    return out, state

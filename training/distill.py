@@ -222,7 +222,7 @@ def draft_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher, devi
            "teacher": budget(teacher, epochs("draft", recipe, teacher)), **tokenizer_key(tokenizer)}
     return part_artifact("drafts", ident["name"], key, train,
                          lambda draft: {"config": draft.config.to_dict(), "state": draft.state_dict()}, load,
-                         "draft.pt", hint="run 'python -m bench train draft' with the same pair= and recipe= settings",
+                         "draft.pt", trained_by="draft",
                          description="distilled draft")
 
 

@@ -143,7 +143,8 @@ def fit_and_measure(modules: list[torch.nn.Module], step: Callable[[torch.Tensor
 
 
 def part_artifact(kind: str, name: str, key: dict, train: Callable[[], tuple], save: Callable[[object], dict],
-                  load: Callable[[dict], object], file: str, hint: str, description: str) -> Artifact:
+                  load: Callable[[dict], object], file: str, trained_by: str, description: str,
+                  same: tuple[str, ...] = ()) -> Artifact:
     """A trained part as one cached artifact (``cache_dir/<kind>/<name>-<key>/<file>``): ``train() -> (part,
     report)`` builds it, ``save(part)`` is what ``file`` holds, ``load(blob)`` rebuilds the part from it and
     raises ``ValueError`` where the blob does not fit (the artifact is then rebuilt, or refused in one sentence).
@@ -157,10 +158,10 @@ def part_artifact(kind: str, name: str, key: dict, train: Callable[[], tuple], s
     def read(folder: Path):
         return load(torch.load(folder / file, map_location="cpu", weights_only=True))
 
-    return Artifact(kind, name, key, build, read, hint=hint, description=description)
+    return Artifact(kind, name, key, build, read, trained_by=trained_by, same=same, description=description)
 
 
-def module_artifact(kind: str, target, key: dict, train, new, hint: str, description: str) -> Artifact:
+def module_artifact(kind: str, target, key: dict, train, new, trained_by: str, description: str) -> Artifact:
     """A draft module trained from the target (EAGLE's, GliDe's) as a cached artifact ``<kind>.pt`` holding its
     hidden size, depth and weights. ``key``: what it depends on besides the target's weights; ``train() ->
     (module, report)`` builds it; ``new(vocab_map, layers)`` makes an untrained one to load the weights into."""
@@ -177,7 +178,7 @@ def module_artifact(kind: str, target, key: dict, train, new, hint: str, descrip
         return draft.eval()
 
     return part_artifact(kind, f"{kind}-{ident['name']}", {"target": ident, **key}, train, save, load, f"{kind}.pt",
-                         hint, description)
+                         trained_by, description)
 
 
 def store_data(store, fields=("ids", "idx", "prob", "mask")) -> dict[str, torch.Tensor]:

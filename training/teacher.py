@@ -385,7 +385,7 @@ def shard_artifact(target, tokenizer, settings: StoreSettings, split: str, j: in
     version = 3 if kind[0] == "answers" else 2
     return Artifact("teacher", f"{store}/shard-{j:05d}", key, build, load, version=version,
                     description=f"teacher store shard {j}",
-                    hint="run 'python -m bench train store' with the same pair= and recipe= (or train_if_missing=true)")
+                    trained_by="store")
 
 
 def shard_bytes(settings: StoreSettings, hidden_size: int, sequences: int) -> int:
@@ -504,8 +504,7 @@ def kv_artifact(target, store: TeacherStore, j: int, layer: int) -> Artifact:
     return Artifact("teacher", f"{store.folder.name}-kv/layer{layer}-{j:05d}",
                     {"shard": store.keys[j], "ids": ids, "layer": layer},
                     build, load, description=f"target keys and values of layer {layer}, teacher store shard {j}",
-                    hint="run 'python -m bench train method' for the method that reads them, with the same pair= and "
-                         "recipe= (or train_if_missing=true)")
+                    trained_by="method")
 
 
 def tokenizer_key(tokenizer) -> dict:

@@ -190,7 +190,7 @@ def heads_artifact(target, tokenizer, kind: str, recipe: DictConfig, teacher: Te
 
     key = {"target": ident, "kind": kind, "recipe": keyed, "teacher": budget(teacher, epochs("heads", recipe, teacher))}
     return part_artifact("heads", f"{kind}-{ident['name']}", key, train, save, load, "heads.pt",
-                         hint=f"run 'python -m bench train method method={method or kind}' with the same recipe=",
+                         trained_by=method or kind,
                          description=f"{kind} heads")
 
 

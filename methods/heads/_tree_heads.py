@@ -176,37 +176,46 @@ class TreeHeadsMethod(DraftVerify):
         """
         raise NotImplementedError
 
-    def start(self, state: PromptState) -> None:
-        if self.heads is None:
-            self.setup(train_if_missing=False)
-        self.memory = self.new_memory()
-        self.unread = state.prompt_hidden  # fed to heads_input at the first proposal, once the pending token is known
-        self.typical = bool(self.cfg.typical) and not state.sampling.greedy
-        self.nodes: list[int] = []
+    class State(PromptState):
+        """One prompt's heads: what they read next, the prefix or adaptation layers' caches, and the tree sizes."""
 
-    def propose(self, state: PromptState) -> Draft:
-        if self.unread is not None:
-            self.input = self.heads_input(self.unread, state.seq[-len(self.unread):], self.memory)
-            self.unread = None
+        memory: DynamicCache | list[DynamicCache] | None  # new_memory()'s caches, extended by heads_input
+        unread: torch.Tensor | None  # (n, hidden) the target's hidden states heads_input has not read yet
+        input: torch.Tensor  # heads_input's output at the last committed position: what fill reads
+        typical: bool  # Medusa's typical acceptance verifies this prompt (sampling with typical: true)
+        nodes: list[int]  # tokens the target scored at each call
+
+    def start(self, state: State) -> None:
+        # setup() loads the trained part before the timed decode; never lazily inside it.
+        assert self.heads is not None, "call setup() before decode()"
+        state.memory = self.new_memory()
+        state.unread = state.prompt_hidden  # fed to heads_input at the first proposal, once the pending token is known
+        state.typical = self.cfg.typical and not state.sampling.greedy
+        state.nodes = []
+
+    def propose(self, state: State) -> Draft:
+        if state.unread is not None:
+            state.input = self.heads_input(state.unread, state.seq[-len(state.unread):], state.memory)
+            state.unread = None
         shape = self.shapes[min(state.draft_budget, self.shape.max_depth)]
-        tree = self.fill(self.input, state.seq[-1], shape) if len(shape) > 1 else Tree(state.seq[-1])
-        self.nodes.append(len(tree))
+        tree = self.fill(state.input, state.seq[-1], shape) if len(shape) > 1 else Tree(state.seq[-1])
+        state.nodes.append(len(tree))
         return Draft(tree)
 
-    def verify(self, state: PromptState, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
-        if self.typical:
-            return typical_path(draft.tree, logits, state.sampling, state.generator, float(self.cfg.posterior_threshold),
-                                float(self.cfg.posterior_alpha))
+    def verify(self, state: State, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
+        if state.typical:
+            return typical_path(draft.tree, logits, state.sampling, state.generator, self.cfg.posterior_threshold,
+                                self.cfg.posterior_alpha)
         return super().verify(state, draft, logits)
 
-    def accepted(self, state: PromptState, draft: Draft, path: list[int], hidden: torch.Tensor) -> None:
-        self.unread = hidden  # the heads' input for the next step, read when it proposes (never after the last)
+    def accepted(self, state: State, draft: Draft, path: list[int], hidden: torch.Tensor) -> None:
+        state.unread = hidden  # the heads' input for the next step, read when it proposes (never after the last)
 
-    def extra(self, state: PromptState) -> dict:
+    def extra(self, state: State) -> dict:
         extra = {
             "tree_size": len(self.shape),  # tokens the target scores per call (root included), before budget pruning
-            "tree_tokens_per_call": sum(self.nodes) / len(self.nodes) if self.nodes else float("nan"),  # as scored
-            "verify": "greedy" if state.sampling.greedy else ("typical" if self.typical else "tree"),
+            "tree_tokens_per_call": sum(state.nodes) / len(state.nodes) if state.nodes else float("nan"),  # as scored
+            "verify": "greedy" if state.sampling.greedy else ("typical" if state.typical else "tree"),
         }
         if self.cfg.typical:
             extra["typical"] = True  # lossy when sampling: outputs are not distributed as the target's

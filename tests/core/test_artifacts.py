@@ -27,7 +27,24 @@ def text_artifact(builds: list, contents=lambda n: "42", **key) -> Artifact:
         return {"builds": len(builds)}
 
     return Artifact("demo", "number", key or {"recipe": 1}, build, lambda folder: int((folder / "number.txt").read_text()),
-                    hint="run 'make number'", description="demo number")
+                    trained_by="demo", description="demo number")
+
+
+def test_how_to_build_is_said_in_one_place():
+    """Trainers name only what trains a part; the command a user runs is worded here, once."""
+    from core.artifacts import how_to_build
+
+    def art(**kw):
+        return Artifact("k", "n", {}, lambda f: None, lambda f: None, **kw)
+
+    assert how_to_build(art()) == "run with train_if_missing=true"
+    assert how_to_build(art(otherwise="method.search=online")) == "run with train_if_missing=true, or method.search=online"
+    assert how_to_build(art(trained_by="store")) == ("run 'python -m bench train store' with the same pair= and recipe= "
+                                                     "(or train_if_missing=true)")
+    assert how_to_build(art(trained_by="space", same=("method.masks",))) == (
+        "run 'python -m bench train method method=space' with the same pair=, recipe= and method.masks= "
+        "(or train_if_missing=true)")
+    assert "'python -m bench train method' for the method that reads it," in how_to_build(art(trained_by="method"))
 
 
 def test_built_once_then_loaded_with_its_report(tmp_path):
@@ -41,7 +58,7 @@ def test_built_once_then_loaded_with_its_report(tmp_path):
 
 def test_missing_and_not_allowed_is_one_sentence_with_the_hint(tmp_path):
     art = text_artifact([])
-    with pytest.raises(BenchError, match=rf"no cached demo number at {re.escape(str(art.folder(tmp_path)))}; run 'make number'\.$"):
+    with pytest.raises(BenchError, match=rf"no cached demo number at {re.escape(str(art.folder(tmp_path)))}; run 'python -m bench train method method=demo' with the same pair= and recipe= \(or train_if_missing=true\)\.$"):
         load_or_build(art, tmp_path, build_if_missing=False)
     assert not art.folder(tmp_path).exists()
 
@@ -65,7 +82,7 @@ def test_a_truncated_file_is_rebuilt_when_allowed_else_one_sentence(tmp_path):
     path = art.folder(tmp_path) / "number.txt"
     path.write_text("12345")  # fewer bytes than the manifest says
     with pytest.raises(BenchError, match=rf"cached demo number at {re.escape(str(art.folder(tmp_path)))} cannot be used "
-                                         r"\(number.txt has 5 bytes, not 10 \(truncated\?\)\); run 'make number'"):
+                                         r"\(number.txt has 5 bytes, not 10 \(truncated\?\)\); run 'python -m bench train method method=demo' with the same pair= and recipe= \(or train_if_missing=true\)\.$"):
         load_or_build(art, tmp_path, build_if_missing=False)
     assert load_or_build(art, tmp_path) == 1234567890 and len(builds) == 2
     path.write_text("1234567899")  # same size, other bytes: the checksum tells
@@ -84,7 +101,7 @@ def test_a_file_whose_load_raises_is_rebuilt_once_when_allowed(tmp_path):
         load_or_build(art, tmp_path)
     assert len(builds) == 2  # never a loop
     with pytest.raises(BenchError, match=rf"cached demo number at {re.escape(str(art.folder(tmp_path)))} cannot be loaded "
-                                         r"\(ValueError: .*\); run 'make number'\.$"):
+                                         r"\(ValueError: .*\); run 'python -m bench train method method=demo' with the same pair= and recipe= \(or train_if_missing=true\)\.$"):
         load_or_build(art, tmp_path, build_if_missing=False)
     assert len(builds) == 2
 

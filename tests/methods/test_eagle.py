@@ -18,6 +18,7 @@ from tests.helpers import (
     noisy_copy,
     prompts_for,
     run,
+    run_keeping_state,
     with_drafts,
 )
 
@@ -41,7 +42,7 @@ def test_the_tree_forward_equals_a_plain_pass_along_each_path(tiny_pair, looping
 
     def record_tree(self, state, feat, logits, depth):  # the first step's tree only
         if not seen:
-            seen.update(cache=copy.deepcopy(self.cache), feat=feat.clone(), levels=[], active=True)
+            seen.update(cache=copy.deepcopy(state.dcache), feat=feat.clone(), levels=[], active=True)
         draft = tree(self, state, feat, logits, depth)
         seen["active"] = False
         return draft
@@ -74,14 +75,14 @@ def test_the_draft_cache_holds_the_targets_true_features_only(tiny_pair, looping
     """After many steps (guessed features dropped, true ones read), the draft's cache of the committed positions
     equals one pass of the draft over the target's features of the whole text."""
     method = build(tiny_pair, "eagle")
-    out = run(method, looping_prompt, 20)
+    out, state = run_keeping_state(method, looping_prompt, 20)
     seq = looping_prompt + out.output_ids
-    read = method.read  # what the last step had read
+    read = state.read  # what the last step had read
     with torch.no_grad():
         feats = tiny_pair.target.module(torch.tensor([seq[:read]]), output_hidden_states=True).hidden_states[-1]
         fresh = DynamicCache()
         method.draft.module(feats, method.embed(torch.tensor([seq[1 : read + 1]])), fresh)
-    mine, ref = method.cache.layers[0], fresh.layers[0]
+    mine, ref = state.dcache.layers[0], fresh.layers[0]
     assert sum(a > 1 for a in out.accept_lengths) >= 2  # guesses were accepted and read again as true features
     torch.testing.assert_close(mine.keys[..., :read, :], ref.keys, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(mine.values[..., :read, :], ref.values, atol=1e-4, rtol=1e-4)

@@ -168,24 +168,26 @@ def test_the_draft_cache_keeps_only_what_was_committed(pair, looping_prompt, mon
     the draft's cache equals one pass of the draft over the committed text (one block: its self-attention
     depends on the tokens alone)."""
     method = build(pair, "glide", cape_threshold=1.0, cape_k=2)
-    left, accepted = [], Glide.accepted
+    left, states, accepted = [], set(), Glide.accepted
 
     def record(self, state, draft, path, hidden):
-        left.append(any(v != c for v, c in zip(path, self.chain_nodes)))
+        left.append(any(v != c for v, c in zip(path, state.chain_nodes)))
+        states.add(state)
         return accepted(self, state, draft, path, hidden)
 
     monkeypatch.setattr(Glide, "accepted", record)
     out = run(method, looping_prompt, 40)
-    assert any(left) and sum(method.expanded) == sum(out.drafted)  # every drafted position expanded
+    (state,) = states
+    assert any(left) and sum(state.expanded) == sum(out.drafted)  # every drafted position expanded
     seq = looping_prompt + out.output_ids
-    n = method.cache.get_seq_length()
+    n = state.dcache.get_seq_length()
     assert len(looping_prompt) < n <= len(seq) - 1
     fresh, target = DynamicCache(), pair.target.module
     with torch.no_grad():
         kv = target(torch.tensor([seq[:n]]), use_cache=True).cache.layers[-1]
         method.draft.module(method.embed(torch.tensor([seq[:n]])), torch.arange(n), kv.keys, kv.values, None, fresh)
-    torch.testing.assert_close(method.cache.layers[0].keys, fresh.layers[0].keys, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(method.cache.layers[0].values, fresh.layers[0].values, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state.dcache.layers[0].keys, fresh.layers[0].keys, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state.dcache.layers[0].values, fresh.layers[0].values, atol=1e-4, rtol=1e-4)
 
 
 # --------------------------------------------------------------------------------------------- the artifact, bad input
@@ -196,7 +198,7 @@ def test_the_trained_draft_is_cached_with_its_report(compose_cfg, tmp_path):
 
     pair = load_pair(compose_cfg("pair=tiny", f"cache_dir={tmp_path}"), n_drafts=0)
     with pytest.raises(BenchError, match=r"no cached GliDe draft at .*; run 'python -m bench train method "
-                                         r"method=glide' with the same recipe=.$"):
+                                         r"method=glide' with the same pair= and recipe= \(or train_if_missing=true\).$"):
         Glide(Glide.settings({}), pair).setup(train_if_missing=False)
     method = build(pair, "glide")
     report = method.report

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from decoding.sampling import Sampling
-from methods.base import PromptState
 from methods.gsd import Graph
 from tests.helpers import (
     assert_cache_is_a_plain_pass,
@@ -18,6 +17,7 @@ from tests.helpers import (
     noisy_copy,
     prompts_for,
     run,
+    run_keeping_state,
     with_drafts,
 )
 
@@ -95,15 +95,15 @@ def test_each_drafted_node_holds_the_drafts_top_tokens_after_its_own_path(good_p
     links) must be the draft's top tokens after that node's real path, scored as a plain sequence."""
     method = build(good_pair, "gsd", repeat=0, sibling_ratio=0.0, leaf_prob=0.0, top_k=3, max_depth=3)
     ids = torch.tensor([looping_prompt])
-    state = PromptState(method, ids, 40, Sampling(0.0), None, lambda n: None)
+    state = method.State(method, ids, 40, Sampling(0.0), None, lambda n: None)
     with torch.no_grad():
         good_pair.target(ids, state.cache, logits_to_keep=1)
         method.start(state)
         state.commit([looping_prompt[-1]], drafted=None)
         method.propose(state)
-        g = method.graph
-        assert g.merges > 0 and len(method.read) > 3
-        for v in [0, *method.read]:
+        g = state.graph
+        assert g.merges > 0 and len(state.read) > 3
+        for v in [0, *state.read]:
             path = g.tree.path_to(v)
             seq = state.seq + [g.tree.tokens[u] for u in path[1:]]
             top = good_pair.draft.module(torch.tensor([seq])).logits[0, -1].topk(3).indices.tolist()
@@ -133,15 +133,15 @@ def test_merges_are_scored_and_the_draft_cache_kept_right(good_pair, looping_pro
     pair = dataclasses.replace(good_pair, roles={})
     method = build(pair, "gsd", repeat=0, **MERGING)
     pair.reset_counts()
-    out = run(method, looping_prompt, 40)
+    out, state = run_keeping_state(method, looping_prompt, 40)
     counts = pair.counts()
     assert out.output_ids == run(build(pair, "ar"), looping_prompt, 40).output_ids
     e = out.extra
     assert e["merges_per_step"] > 0 and e["reused_nodes_per_step"] > 0
     assert e["steps_accepted_through_a_link"] > 0
     assert counts["target"]["calls"] == len(out.accept_lengths) + 1
-    assert counts["draft"]["calls"] == 1 + method.tally["draft_forwards"]  # the prefill, then the levels
-    assert_cache_is_a_plain_pass(pair.draft.module, method.dcache, looping_prompt, looping_prompt + out.output_ids)
+    assert counts["draft"]["calls"] == 1 + state.tally["draft_forwards"]  # the prefill, then the levels
+    assert_cache_is_a_plain_pass(pair.draft.module, state.dcache, looping_prompt, looping_prompt + out.output_ids)
 
 
 def test_a_perfect_draft_has_its_chain_accepted(tiny_pair, looping_prompt):

@@ -12,7 +12,7 @@ import torch
 from core.corpus import lee_articles
 from core.errors import BenchError
 from tests.core.test_bad_files import assert_one_sentence, cli
-from tests.helpers import build, noisy_copy, run
+from tests.helpers import build, noisy_copy, run, run_keeping_state
 
 NEWS = {"corpus": "news"}  # the small datastore: 50 articles, ~23k tokens on the byte-level tiny tokenizer
 
@@ -32,28 +32,28 @@ def test_knn_distribution_and_mixture_are_distributions(nest, tiny_pair):
     from methods._nest import TokenIndex
 
     store = nest.store
-    nest.index = TokenIndex(store, store.retrieve(lee_articles("test")[3], 4), tiny_pair.device)
+    index = TokenIndex(store, store.retrieve(lee_articles("test")[3], 4), tiny_pair.device)
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(5, tiny_pair.target.module.config.hidden_size, generator=gen)
     logits = torch.randn(5, tiny_pair.target.module.config.vocab_size, generator=gen)
-    for mix in (nest.mixture(logits, h), nest.mixture(None, h)):
+    for mix in (nest.mixture(index, logits, h), nest.mixture(index, None, h)):
         for p in (mix.p, mix.p_knn):
             assert (p >= 0).all() and torch.allclose(p.sum(-1), torch.ones(5), atol=1e-5)
         assert ((mix.lam >= 0) & (mix.lam <= 1)).all() and (mix.top >= 0).all()
         # The best neighbour's token is one p_kNN gives mass to.
-        assert (mix.p_knn.gather(1, nest.index.vals[mix.top][:, None]) > 0).all()
-    mix = nest.mixture(logits, h)
+        assert (mix.p_knn.gather(1, index.vals[mix.top][:, None]) > 0).all()
+    mix = nest.mixture(index, logits, h)
     assert ((mix.lam > 0) & (mix.lam < 1)).all()  # the RRC weight is a sigmoid: strictly inside
-    nest.index.alive[:] = False  # every position copied: the LM alone, lambda = 1
-    alone = nest.mixture(logits, h)
+    index.alive[:] = False  # every position copied: the LM alone, lambda = 1
+    alone = nest.mixture(index, logits, h)
     assert torch.equal(alone.lam, torch.ones(5)) and torch.allclose(alone.p, torch.softmax(logits / 0.7, -1))
 
 
-def _cited_tokens_are_the_sources(method, out):
+def _cited_tokens_are_the_sources(method, out, state):
     """Every cited output token is its source document's token at its position; returns the cited count."""
     cited = 0
-    assert len(method.sources) == len(out.output_ids)
-    for tok, src in zip(out.output_ids, method.sources):
+    assert len(state.sources) == len(out.output_ids)
+    for tok, src in zip(out.output_ids, state.sources):
         if src is not None:
             assert tok == int(method.store.doc_tokens(src[0])[src[1]])
             cited += 1
@@ -63,14 +63,14 @@ def _cited_tokens_are_the_sources(method, out):
 def test_a_copied_span_is_proposed_kept_and_cited(tiny_pair, article):
     # delta = 1 copies whenever retrieval has a neighbour; gamma = 0 keeps every copied token (p_M > 0).
     method = build(tiny_pair, "nest", delta=1.0, gamma=0.0, **NEWS)
-    out = run(method, article, 40)
+    out, state = run_keeping_state(method, article, 40)
     x = out.extra
     assert x["spans_proposed"] >= 2 and x["spans_accepted"] == x["spans_proposed"]
     assert x["span_tokens_accepted"] == x["span_tokens_proposed"] == sum(out.drafted) > 0
     assert max(out.accept_lengths) > 1 and sum(out.accept_lengths) / len(out.accept_lengths) > 2
     assert x["attribution_rate"] > 0.9 and x["attribution_rate_spans"] > 0.9
     assert x["retrieved"][0] == "lee-test-0" and x["sources"][0]["doc"] == "lee-test-0"
-    assert _cited_tokens_are_the_sources(method, out) == x["attributed_tokens"]
+    assert _cited_tokens_are_the_sources(method, out, state) == x["attributed_tokens"]
 
 
 def test_the_relaxed_rule_can_reject(tiny_pair, article):
@@ -85,10 +85,10 @@ def test_the_relaxed_rule_can_reject(tiny_pair, article):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_attribution_adds_up(nest, article, temperature):
-    out = run(nest, article, 32, temperature=temperature)
+    out, state = run_keeping_state(nest, article, 32, temperature=temperature)
     x = out.extra
     n = len(out.output_ids)
-    assert x["attributed_tokens"] == _cited_tokens_are_the_sources(nest, out)
+    assert x["attributed_tokens"] == _cited_tokens_are_the_sources(nest, out, state)
     assert x["attribution_rate"] == pytest.approx(x["attributed_tokens"] / n)
     assert sum(s["tokens"] for s in x["sources"]) == x["attributed_tokens"]
     assert 0 <= x["attribution_rate_spans"] <= x["attribution_rate"]
@@ -96,7 +96,7 @@ def test_attribution_adds_up(nest, article, temperature):
     assert x["span_tokens_accepted"] <= x["span_tokens_proposed"] and x["spans_accepted"] <= x["spans_proposed"]
     assert sum(out.accept_lengths) + 1 == n  # the prefill gives the first token
     # A copied position is never retrieved again.
-    cited = [s for s in nest.sources if s is not None]
+    cited = [s for s in state.sources if s is not None]
     assert len(set(cited)) == len(cited)
 
 
@@ -162,3 +162,21 @@ def test_a_datastore_of_another_target_or_tokenizer_is_refused(nest, tiny_pair, 
     (copy / "keys.npy").write_bytes(b"torn")
     with pytest.raises(BenchError, match="cannot be used"):
         build(tiny_pair, "nest", datastore=str(copy), **NEWS)
+
+
+def test_the_key_capture_is_let_go_when_a_decode_fails(nest, article, monkeypatch):
+    """The hook NEST puts on the target's last layer for one prompt is removed however the decode ends, by an error
+    too (the base closes what a prompt opened): the target is left as it was for whatever runs next."""
+    from core.model_parts import decoder_layers
+
+    layer = decoder_layers(nest.pair.target.module)[-1]
+    before = len(layer._forward_pre_hooks)
+
+    def broken(state):
+        assert len(layer._forward_pre_hooks) == before + 1  # the capture is on while the prompt decodes
+        raise RuntimeError("a failing step")
+
+    monkeypatch.setattr(nest, "propose", broken)
+    with pytest.raises(RuntimeError, match="a failing step"):
+        run(nest, article, 8)
+    assert len(layer._forward_pre_hooks) == before

@@ -129,7 +129,7 @@ def test_the_trained_embeddings_are_cached_with_their_report(compose_cfg, tmp_pa
 
     pair = load_pair(compose_cfg("pair=tiny", f"cache_dir={tmp_path}"), n_drafts=0)
     with pytest.raises(BenchError, match=r"no cached SPACE mask embeddings at .*; run 'python -m bench train method "
-                                         r"method=space' with the same recipe= and method.masks=.$"):
+                                         r"method=space' with the same pair=, recipe= and method.masks= \(or train_if_missing=true\).$"):
         Space(Space.settings({}), pair).setup(train_if_missing=False)
     method = build(pair, "space", masks=2)
     assert len(method.report["agreement_before"]) == 2 and method.report["masks"] == 2

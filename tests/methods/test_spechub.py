@@ -30,6 +30,7 @@ from tests.helpers import (
     noisy_copy,
     prompts_for,
     run,
+    run_keeping_state,
     with_drafts,
 )
 
@@ -209,13 +210,13 @@ def test_one_target_forward_per_step_and_the_draft_cache_kept_right(good_pair, l
     pair = good_pair
     method = build(pair, "spechub", verifier=verifier, drafts=drafts, gamma=3)
     pair.reset_counts()
-    out = run(method, looping_prompt, 40, temperature=0.1, seed=2)
+    out, state = run_keeping_state(method, looping_prompt, 40, temperature=0.1, seed=2)
     counts, steps = pair.counts(), len(out.accept_lengths)
     assert counts["target"]["calls"] == steps + 1
     assert counts["draft"]["calls"] == 1 + sum(out.drafted)  # the prefill, then one per depth drafted
     assert sum(out.extra["root_kept_by_draft"][1:]) > 0 and len(out.extra["root_kept_by_draft"]) == drafts
     assert max(out.drafted) == 3 and out.extra["verifier"] == verifier
-    assert_cache_is_a_plain_pass(pair.draft.module, method.dcache, looping_prompt, looping_prompt + out.output_ids)
+    assert_cache_is_a_plain_pass(pair.draft.module, state.dcache, looping_prompt, looping_prompt + out.output_ids)
 
 
 def test_the_figures_compare_both_schemes_on_the_same_contexts(pair, looping_prompt):

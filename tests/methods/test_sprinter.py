@@ -74,7 +74,7 @@ def test_missing_and_corrupt_cache_are_one_sentence_or_retrained(tiny_pair, tmp_
     pair.cache = tmp_path
     pair.roles = dict(tiny_pair.roles)
     with pytest.raises(BenchError, match="no cached SPRINTER verifier at .*; run 'python -m bench train method "
-                                         "pair=tiny method=sprinter'"):
+                                         "method=sprinter' with the same pair= and recipe="):
         sprinter(pair).setup(train_if_missing=False)
     m = sprinter(pair)
     m.setup()
