@@ -368,13 +368,16 @@ def _chromium():
     return next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
 
 
+REPORT_FIGURES = 8  # the figures of bench.plots.FIGURES that the synthetic runs fill
+
+
 def test_report_is_one_self_contained_page(synthetic, tmp_path):
     from bench.report_cli import report_main
 
     assert report_main([str(synthetic), "--out", str(tmp_path / "rep")]) == 0
     page = (tmp_path / "rep" / "report.html").read_text()
     assert page.count("<table") == 3  # summary, by category, provenance
-    assert page.count("data:image/png;base64,") == 8  # every figure of bench.plots.FIGURES the synthetic runs fill
+    assert page.count("data:image/png;base64,") == REPORT_FIGURES
     assert "src='http" not in page and 'src="http' not in page and "<link" not in page  # nothing external
     assert "0123456789" in page and "Test CPU" in page  # provenance
 
@@ -391,7 +394,7 @@ def test_report_renders_in_headless_chromium(synthetic, tmp_path):
     assert dom.count("<table") == 3, res.stderr[-2000:]
     assert "sprinter (threshold=0.9)" in dom and "speedup_by_category" in dom
     # The page's script counts images the browser actually decoded (naturalWidth > 0).
-    assert 'data-images-loaded="7"' in dom, res.stderr[-2000:]
+    assert f'data-images-loaded="{REPORT_FIGURES}"' in dom, res.stderr[-2000:]
 
 
 def test_labels_name_the_recipe_behind_trained_methods(tmp_path):
