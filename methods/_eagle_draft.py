@@ -43,11 +43,11 @@ from core.model_parts import body_config, copy_last_layers
 from methods.heads._adversarial import Adversary, AdversaryRecipe
 from training.kit import (
     budget,
-    epochs,
     feature_stores,
     fit_and_measure,
     fp32_eval,
     module_artifact,
+    part_epochs,
     part_key,
     store_data,
     store_vocab,
@@ -195,7 +195,7 @@ def train_eagle(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
     report = fit_and_measure(
         [draft], step, examples=len(train), judge=lambda: eagle_judge(draft, held, embed, device), held=len(held),
         answer_rows=[i for i in range(len(held)) if held.kind(i) == "answers"],
-        epochs=epochs("eagle", recipe, teacher), batch_size=int(recipe.batch_size), lr=float(recipe.lr),
+        epochs=part_epochs("eagle", recipe, teacher), batch_size=int(recipe.batch_size), lr=float(recipe.lr),
         desc=f"eagle: training {what}" + (" against a discriminator" if adversary is not None else ""))
     report.update(
         layers=layers,
@@ -214,7 +214,7 @@ def eagle_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher, meth
     """EAGLE's draft of (target, recipe, tokenizer, the run's training recipe) as a cached artifact: ``eagle.pt``.
     ``method``: what trains it, as a missing draft's message names it (``koala method.base=eagle`` trains a KOALA draft here too)."""
     key = {"recipe": part_key(recipe, layers=1, adversarial=None),
-           "teacher": budget(teacher, epochs("eagle", recipe, teacher)), **tokenizer_key(tokenizer)}
+           "teacher": budget(teacher, part_epochs("eagle", recipe, teacher)), **tokenizer_key(tokenizer)}
     return module_artifact("eagle", target, key, lambda: train_eagle(target, tokenizer, recipe, teacher),
                           lambda vocab_map, layers: EagleDraft(target.config, vocab_map, layers),
                           trained_by=method,

@@ -70,10 +70,10 @@ from decoding.tree import additive_mask
 from training.kit import (
     agreement,
     budget,
-    epochs,
     fit_and_measure,
     fp32_eval,
     module_artifact,
+    part_epochs,
     part_key,
     store_data,
     store_vocab,
@@ -324,7 +324,7 @@ def train_glide(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
     answers = [i for i in range(len(held)) if held.kind(i) == "answers"]
     report = fit_and_measure(
         [draft], step, examples=len(train), judge=lambda: glide_judge(draft, held, held_kv, embed, device=device),
-        held=len(held), answer_rows=answers, epochs=epochs("glide", recipe, teacher), batch_size=bs,
+        held=len(held), answer_rows=answers, epochs=part_epochs("glide", recipe, teacher), batch_size=bs,
         lr=float(recipe.lr), desc="glide: training the draft")
     labels = store_data(held, ("idx", "mask"))
     report.update(
@@ -348,7 +348,7 @@ def train_glide(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
 
 def glide_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> Artifact:
     """GliDe's draft of (target, recipe, tokenizer, the run's training recipe) as a cached artifact: ``glide.pt``."""
-    key = {"recipe": part_key(recipe), "teacher": budget(teacher, epochs("glide", recipe, teacher)),
+    key = {"recipe": part_key(recipe), "teacher": budget(teacher, part_epochs("glide", recipe, teacher)),
            **tokenizer_key(tokenizer)}
     return module_artifact("glide", target, key, lambda: train_glide(target, tokenizer, recipe, teacher),
                           lambda vocab_map, layers: GlideDraft(target.config, vocab_map, layers),

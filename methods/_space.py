@@ -44,7 +44,7 @@ from core.artifacts import (
     report_of,
 )
 from decoding.cache import truncate_cache
-from training.kit import budget, epochs, fit_and_measure, fp32_eval, part_artifact, part_key, trained_part
+from training.kit import budget, fit_and_measure, fp32_eval, part_artifact, part_epochs, part_key, trained_part
 from training.loop import TrainRecipe
 from training.teacher import Teacher, TeacherStore, tokenizer_key
 
@@ -231,7 +231,7 @@ def train_space(target, tokenizer, masks: int, recipe: DictConfig, teacher: Teac
                                            cuts),
             examples=len(train), judge=lambda: space_judge(target, emb, held, cuts), held=len(held),
             answer_rows=[i for i in range(len(held)) if held.kind(i) == "answers"],
-            epochs=epochs("space", recipe, teacher), batch_size=bs, lr=float(recipe.lr),
+            epochs=part_epochs("space", recipe, teacher), batch_size=bs, lr=float(recipe.lr),
             desc=f"space: training {masks} mask embeddings through the frozen target")
     report.update(masks=masks, recipe=teacher.recipe.name, train_tokens=int(train.tokens))
     return emb.cpu().eval(), report
@@ -253,7 +253,7 @@ def space_artifact(target, tokenizer, masks: int, recipe: DictConfig, teacher: T
         return emb.eval()
 
     key = {"target": ident, "masks": masks, "recipe": part_key(recipe),
-           "teacher": budget(teacher, epochs("space", recipe, teacher)), **tokenizer_key(tokenizer)}
+           "teacher": budget(teacher, part_epochs("space", recipe, teacher)), **tokenizer_key(tokenizer)}
     return part_artifact("space", f"space-{ident['name']}", key,
                          lambda: train_space(target, tokenizer, masks, recipe, teacher),
                          lambda emb: {"hidden": hidden, "masks": masks, "state": emb.state_dict()}, load, "space.pt",

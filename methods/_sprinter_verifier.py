@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from core.artifacts import Artifact, load_or_build, model_fingerprint, report_of
 from core.errors import BenchError
-from training.kit import budget, epochs, part_artifact, part_key, trained_part
+from training.kit import budget, part_artifact, part_epochs, part_key, trained_part
 from training.loop import TrainRecipe, fit
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ def train_verifier(pair, recipe: DictConfig) -> tuple[Verifier, dict]:
     batch = int(recipe.train_batch)
     model.train()
     final_loss = fit(list(model.parameters()), lambda: torch.randperm(len(x)).split(batch),
-                     lambda b: loss_fn(model(x[b]), yf[b]), epochs=epochs("verifier", recipe, teacher),
+                     lambda b: loss_fn(model(x[b]), yf[b]), epochs=part_epochs("verifier", recipe, teacher),
                      steps_per_epoch=math.ceil(len(x) / batch), lr=float(recipe.lr),
                      weight_decay=float(recipe.weight_decay), one_cycle=False, clip=None, desc="verifier: training")
     model.eval()
@@ -200,7 +200,7 @@ def train_verifier(pair, recipe: DictConfig) -> tuple[Verifier, dict]:
     report = classification_report(scores, yh.numpy())
     report.update(train_examples=len(x), heldout_examples=len(xh), train_accept_rate=n_pos / max(len(y), 1),
                   features=int(x.shape[1]), width=int(recipe.width), final_loss=final_loss, recipe=teacher.recipe.name,
-                  epochs=epochs("verifier", recipe, teacher))
+                  epochs=part_epochs("verifier", recipe, teacher))
     return model, report
 
 
@@ -212,7 +212,7 @@ def verifier_artifact(pair, recipe: DictConfig) -> Artifact:
     """
     key = {"target": model_fingerprint(pair.target.module), "draft": model_fingerprint(pair.draft.module),
            "draft_spec": pair.spec.drafts[0], "recipe": part_key(recipe),
-           "teacher": budget(pair.teacher, epochs("verifier", recipe, pair.teacher))}
+           "teacher": budget(pair.teacher, part_epochs("verifier", recipe, pair.teacher))}
 
     def load(blob: dict) -> Verifier:
         model = Verifier(int(blob["d_in"]), int(blob["width"]))

@@ -9,8 +9,8 @@ never recomputed. Lossless: greedy output equals ``ar``; sampled output is distr
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 from pydantic import Field, model_validator
+from transformers import DynamicCache
 
 from core import metrics
 from decoding.sampling import probs_from_logits, sample

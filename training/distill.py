@@ -31,9 +31,9 @@ from core.errors import BenchError
 from core.model_parts import copy_from
 from training.kit import (
     budget,
-    epochs,
     fit_and_measure,
     part_artifact,
+    part_epochs,
     part_key,
     store_data,
     store_vocab,
@@ -184,7 +184,7 @@ def train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
                                         train["weight"][b].to(device)),
         examples=len(train["ids"]), judge=lambda: draft_judge(draft, held), held=len(held["ids"]),
         answer_rows=[i for i in range(len(held["ids"])) if held_store.kind(i) == "answers"],
-        epochs=epochs("draft", recipe, teacher), batch_size=int(recipe.batch_size), lr=float(recipe.lr),
+        epochs=part_epochs("draft", recipe, teacher), batch_size=int(recipe.batch_size), lr=float(recipe.lr),
         desc="draft: distilling")
     report.update(
         recipe=teacher.recipe.name,
@@ -219,7 +219,7 @@ def draft_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher, devi
         return draft.eval()
 
     key = {"target": ident, "recipe": part_key(recipe, answer_weight=1.0),
-           "teacher": budget(teacher, epochs("draft", recipe, teacher)), **tokenizer_key(tokenizer)}
+           "teacher": budget(teacher, part_epochs("draft", recipe, teacher)), **tokenizer_key(tokenizer)}
     return part_artifact("drafts", ident["name"], key, train,
                          lambda draft: {"config": draft.config.to_dict(), "state": draft.state_dict()}, load,
                          "draft.pt", trained_by="draft",

@@ -4,7 +4,7 @@ GliDe's drafts, SPACE's mask embeddings, the SPRINTER verifier) is trained, meas
 A trainer is: seed, the frozen target in fp32 (:func:`fp32_eval`), its stores (:func:`feature_stores`,
 :func:`store_data`; :func:`check_store_keeps_hidden` before any model loads), a reduced drafting vocabulary
 (:func:`store_vocab`, :func:`pick_vocab`, :func:`sub_index`), then :func:`fit_and_measure`: held-out
-:func:`agreement` before, :func:`training.loop.fit` for the part's own epochs (:func:`epochs`), agreement after,
+:func:`agreement` before, :func:`training.loop.fit` for the part's own epochs (:func:`part_epochs`), agreement after,
 one report shape. Its result is one cached artifact (:func:`part_artifact`, keyed with :func:`part_key` and
 :func:`budget`)."""
 
@@ -39,7 +39,7 @@ def trained_part(name: str):
     return wrap
 
 
-def epochs(name: str, recipe, teacher: Teacher) -> int:
+def part_epochs(name: str, recipe, teacher: Teacher) -> int:
     """Passes part ``name`` makes with ``recipe`` (its settings) under the run's recipe."""
     return PARTS[name].epochs_for(recipe, teacher.recipe.name)
 

@@ -18,11 +18,11 @@ from methods.heads._amphista import AmphistaHeads
 from methods.heads._heads import Heads, PrefixLayer
 from training.kit import (
     budget,
-    epochs,
     feature_stores,
     fit_and_measure,
     fp32_eval,
     part_artifact,
+    part_epochs,
     part_key,
     store_data,
     store_vocab,
@@ -132,7 +132,7 @@ def train_heads(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teach
         [heads] + ([prefix] if prefix is not None else []), step, examples=len(train),
         judge=lambda: heads_judge(heads, held, embed, prefix, device), held=len(held),
         answer_rows=[i for i in range(len(held)) if held.kind(i) == "answers"],
-        epochs=epochs("heads", recipe, teacher), batch_size=int(recipe.batch_size), lr=float(recipe.lr),
+        epochs=part_epochs("heads", recipe, teacher), batch_size=int(recipe.batch_size), lr=float(recipe.lr),
         desc=f"{kind}: training {K} heads" + (" and the prefix layer" if prefix is not None else "")
         + (" against a discriminator" if adversary is not None else ""))
     held_top1 = held.rows(range(len(held)), ("idx", "mask"))
@@ -188,7 +188,7 @@ def heads_artifact(target, tokenizer, kind: str, recipe: DictConfig, teacher: Te
             prefix.eval()
         return heads.eval(), prefix
 
-    key = {"target": ident, "kind": kind, "recipe": keyed, "teacher": budget(teacher, epochs("heads", recipe, teacher))}
+    key = {"target": ident, "kind": kind, "recipe": keyed, "teacher": budget(teacher, part_epochs("heads", recipe, teacher))}
     return part_artifact("heads", f"{kind}-{ident['name']}", key, train, save, load, "heads.pt",
                          trained_by=method or kind,
                          description=f"{kind} heads")
