@@ -12,6 +12,7 @@ token budget, seed). A run started with ``resume=DIR`` reads the complete record
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 import json
 import os
@@ -100,13 +101,15 @@ def read_records(path: Path) -> list[dict]:
 LEGACY_PARTS = ("draft", "heads", "verifier", "eagle", "glide", "space")
 
 
+@functools.cache  # the runner keys every prompt of every method: discover the methods once, not per key
 def legacy_epochs(recipe_name: str) -> dict[str, int]:
-    """The passes of each part of :data:`LEGACY_PARTS` under the run recipe ``recipe_name``, as run keys name them."""
+    """The passes of each part of :data:`LEGACY_PARTS` under the run recipe ``recipe_name``, as run keys name them
+    (each part's own count: ``TrainRecipe.epochs_for`` with ``epochs`` unset)."""
     from methods.registry import known_methods
     from training.kit import PARTS
 
     known_methods()  # every method imported: every part has declared its epochs
-    return {f"{name}_epochs": PARTS[name].EPOCHS.get(recipe_name, PARTS[name].EPOCHS["quick"]) for name in LEGACY_PARTS}
+    return {f"{name}_epochs": PARTS[name].epochs_for({}, recipe_name) for name in LEGACY_PARTS}
 
 
 def _without_unset_epochs(node):
