@@ -107,21 +107,21 @@ def agreement(judge: Callable[[torch.Tensor], list[tuple]], rows: Iterable[int],
 
 
 def fit_and_measure(modules: list[torch.nn.Module], step: Callable[[torch.Tensor], torch.Tensor], *, examples: int,
-                    judge: Callable[[], Callable[[torch.Tensor], list[tuple]]], held: int, answer_rows: Iterable[int], epochs: int,
-                    batch_size: int, lr: float, desc: str, params: list | None = None, **fit_args) -> dict:
+                    judge: Callable[[], Callable[[torch.Tensor], list[tuple]]], held: int, answer_rows: Iterable[int],
+                    epochs: int, batch_size: int, lr: float, desc: str, params: list | None = None, **fit_args) -> dict:
     """The middle of every trainer: held-out :func:`agreement` over the ``held`` rows before,
     :func:`training.loop.fit` over ``examples`` rows in shuffled batches of ``batch_size`` (``step(rows) -> loss``)
     for ``epochs`` passes, agreement after; returns the report's common part. ``judge()`` makes a fresh judge for
-    each measurement (one may hold state: SPACE's seeded cuts). A figure is a number for a part of one output, a list (per head, per
-    mask) for several. ``params``: what trains (default: every parameter of ``modules`` that takes a gradient)."""
+    each measurement (one may hold state: SPACE's seeded cuts). A figure is a number for a part of one output, a
+    list (per head, per mask) for several. ``params``: what trains (default: every parameter of ``modules`` that
+    takes a gradient)."""
     answer_rows = list(answer_rows)
-    single = None
+    before = agreement(judge(), range(held), batch_size, answer_rows)
+    single = len(before["all"]) == 1
 
     def figure(values: list[float]):
         return values[0] if single else values
 
-    before = agreement(judge(), range(held), batch_size, answer_rows)
-    single = len(before["all"]) == 1
     params = params if params is not None else [p for m in modules for p in m.parameters() if p.requires_grad]
     for m in modules:
         m.train()
