@@ -199,28 +199,25 @@ def train_main(args: list[str]) -> int:
                          "'python -m bench train all recipe=full').")
     if args[0] == "store":
         return train_store(args[1:])
-    from bench.models import load_pair
+    from bench.models import load_pair, train_drafts
     from bench.validate import validate
     from methods.registry import get_method, known_methods
 
     picked, args = methods_arg(args) if args[0] == "all" else (None, args)
-    cfg = validate(compose(args[1:]))
+    cfg = validate(compose([*args[1:], "train_if_missing=true"]))  # train: build what is missing
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    # ``train draft`` and ``train all`` load (and so distil) every draft of the pair; ``train method`` and
-    # ``train all methods=...`` only the drafts those methods use. load_pair honours threads= as run does.
-    from training.distill import draft_report
-
+    # ``train draft`` and ``train all`` distil every draft of the pair; ``train method`` and ``train all
+    # methods=...`` only the drafts those methods use. Both honour threads= as run does.
     names = [cfg.method.name] if args[0] == "method" else picked or known_methods()
     every_draft = args[0] == "draft" or (args[0] == "all" and not picked)
     n_drafts = None if every_draft else max(get_method(n).drafts for n in names)
     start = time.perf_counter()
-    pair = load_pair(cfg, train_if_missing=True, n_drafts=n_drafts)
-    drafts = [draft_report(pair.target.module, pair.tokenizer, spec.recipe, pair.teacher)
-              for spec in (cfg.pair.get("drafts") or [])[:n_drafts] if spec.source == "distilled"]
+    drafts = train_drafts(cfg, n_drafts)
     if args[0] == "draft":
         for report in drafts:
             print(json.dumps(report, indent=2))
         return 0
+    pair = load_pair(cfg, n_drafts=n_drafts)
     reports = {"pair (stores and drafts)": {"seconds": round(time.perf_counter() - start, 1), "drafts": drafts}}
     for name in names:
         method_cls = get_method(name)
@@ -265,9 +262,9 @@ def train_store(args: list[str]) -> int:
 
     # ``tokens=N`` is short for ``recipe.tokens=N``; the target is labelled unpacked, as the trainers read it.
     args = [f"recipe.{a}" if a.partition("=")[0] in ("tokens", "eval_tokens") else a for a in args]
-    cfg = validate(compose([*args, "packed_linear=false"]))
+    cfg = validate(compose([*args, "packed_linear=false", "train_if_missing=true"]))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    pair = load_pair(cfg, train_if_missing=True, n_drafts=0)  # no draft is loaded: only the store is built
+    pair = load_pair(cfg, n_drafts=0)  # no draft is loaded: only the store is built
     reports = {split: pair.teacher.store(pair.target.module, pair.tokenizer, split).report() for split in ("train", "test")}
     print(json.dumps(reports, indent=2))
     return 0

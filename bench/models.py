@@ -23,7 +23,7 @@ from core.counting import CountedLM
 from core.errors import BenchError
 from core.pair import Pair
 from core.schema import Settings, as_config, check
-from training.distill import DistillRecipe
+from training.distill import DistillRecipe, draft_artifact, draft_report
 from training.teacher import RECIPES, RecipeSettings, Teacher
 
 log = logging.getLogger(__name__)
@@ -293,40 +293,69 @@ def check_draft_tokenizer(pair_name: str, i: int, spec: DictConfig, target_tok) 
                          "runs on the target alone).")
 
 
-def _load_draft(spec: DictConfig, target, tokenizer, dtype, teacher: Teacher, device: torch.device):
+def _load_draft(spec: DictConfig, target, tokenizer, teacher: Teacher):
     src = spec.source
     if src == "hub":
-        return hub_model(spec.id, dtype)
+        return hub_model(spec.id, torch.float32)
     if src == "random":
         return random_model(spec, target.config.vocab_size, specials_of(tokenizer))
-    if src == "distilled":
-        from training.distill import load_or_train_draft
-
-        return load_or_train_draft(target, tokenizer, spec.recipe, teacher, device)
+    if src == "distilled":  # read from the cache only: train_drafts distils a missing one
+        return load_or_build(draft_artifact(target, tokenizer, spec.recipe, teacher), teacher.cache, False)
     raise AssertionError(f"draft source '{src}' passed PairSettings but has no loader")
 
 
-def load_pair(cfg: DictConfig, train_if_missing: bool = True, n_drafts: int | None = None) -> Pair:
-    """Load ``cfg.pair`` (target + drafts) on ``cfg.device`` in ``cfg.dtype``, all in eval mode.
-
-    ``n_drafts``: how many of the pair's drafts to load, first ones first (``None``: all). A run loads only
-    what its methods use (``Method.drafts``): ``ar`` never distils a draft it would not run.
-
-    ``cfg.threads`` (CPU intra-op threads) is applied first, so training a missing draft, decoding and every
-    script that loads a pair share the machine on the same terms.
-    """
+def _pair_settings(cfg: DictConfig) -> tuple[DictConfig, Path, Teacher]:
+    """``cfg.pair`` checked (defaults filled in, for scripts and tests that skip bench.validate), the cache
+    folder, and the teacher of ``cfg.recipe`` (it may label a missing store when ``cfg.train_if_missing``)."""
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
-    # Checked (and defaults filled in) here too, for scripts and tests that load a pair without bench.validate.
-    pair_cfg = as_config(check(PairSettings, OmegaConf.to_container(cfg.pair, resolve=True), "pair", f"pair={cfg.pair.get('name')}"))
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
+    pair_cfg = as_config(check(PairSettings, OmegaConf.to_container(cfg.pair, resolve=True), "pair",
+                               f"pair={cfg.pair.get('name')}"))
     cache = cache_root(cfg.get("cache_dir"))
     recipe = RECIPES["quick"] if cfg.get("recipe") is None else check(
         RecipeSettings, OmegaConf.to_container(cfg.recipe, resolve=True), "recipe", f"recipe={cfg.recipe.get('name')}")
-    teacher = Teacher(recipe, cache, train_if_missing)
-    # Models load in fp32 on the CPU first: training a missing draft needs fp32 and a frozen target (it trains on
-    # the run's device: training.distill moves the fp32 target there for the training only).
+    return pair_cfg, cache, Teacher(recipe, cache, bool(cfg.get("train_if_missing", True)))
+
+
+def train_drafts(cfg: DictConfig, n_drafts: int | None = None) -> list[dict]:
+    """Distil each missing draft among the pair's first ``n_drafts`` (``None``: all) whose source is
+    ``distilled``; returns every such draft's training report, cached ones included.
+
+    The one place a draft is trained: the runner and ``python -m bench train`` call it before
+    :func:`load_pair`, which only reads drafts. The target loads here in fp32 for the labelling and the
+    training (on ``cfg.device``), and only when the pair has a distilled draft to check.
+    """
+    pair_cfg, cache, teacher = _pair_settings(cfg)
+    specs = [s for s in list(pair_cfg.get("drafts") or [])[:n_drafts] if s.source == "distilled"]
+    if not specs:
+        return []
+    teacher.build_if_missing = True
+    tokenizer = _target_tokenizer(pair_cfg.target, cache)
+    target = _load_target(pair_cfg.target, tokenizer, torch.float32, cache).eval()
+    device = resolve_device(cfg.device)
+    reports = []
+    for spec in specs:
+        load_or_build(draft_artifact(target, tokenizer, spec.recipe, teacher, device), cache)
+        reports.append(draft_report(target, tokenizer, spec.recipe, teacher))
+    return reports
+
+
+def load_pair(cfg: DictConfig, n_drafts: int | None = None) -> Pair:
+    """Load ``cfg.pair`` (target + drafts) on ``cfg.device`` in ``cfg.dtype``, all in eval mode. Loading never
+    trains: a distilled draft missing from the cache is an error naming the command that builds it
+    (:func:`train_drafts` distils it; the runner calls it first when ``train_if_missing``).
+
+    ``n_drafts``: how many of the pair's drafts to load, first ones first (``None``: all). A run loads only
+    what its methods use (``Method.drafts``): ``ar`` never needs a draft it would not run.
+
+    ``cfg.threads`` (CPU intra-op threads) is applied first, so training, decoding and every script that loads
+    a pair share the machine on the same terms.
+    """
+    pair_cfg, cache, teacher = _pair_settings(cfg)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    # Models load in fp32 on the CPU first (a distilled draft's key is the fp32 target's fingerprint), then
+    # move to the run's device and dtype.
     tokenizer = _target_tokenizer(pair_cfg.target, cache)
     specs = list(pair_cfg.get("drafts") or [])[:n_drafts]
     for i, dspec in enumerate(specs):  # before any weights load: a draft that tokenizes otherwise is refused
@@ -336,13 +365,13 @@ def load_pair(cfg: DictConfig, train_if_missing: bool = True, n_drafts: int | No
     target.eval()
     drafts = []
     for i, dspec in enumerate(specs):
-        d = _load_draft(dspec, target, tokenizer, torch.float32, teacher, device)
+        d = _load_draft(dspec, target, tokenizer, teacher)
         drafts.append(CountedLM(d.to(device=device, dtype=dtype).eval(), "draft" if i == 0 else f"draft{i + 1}"))
     target = CountedLM(target.to(device=device, dtype=dtype), "target")
     if cfg.get("packed_linear", True) and device.type == "cpu" and dtype == torch.float32:
         from core.kernels import pack_linears
 
-        # After loading and any draft training: only inference forwards take the packed kernels.
+        # After loading: only inference forwards take the packed kernels (trainers read the plain target).
         for lm in (target, *drafts):
             pack_linears(lm.module)
     return Pair(pair_cfg.name, tokenizer, target, drafts, device, dtype, cache, pair_cfg, teacher)

@@ -80,8 +80,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default="results/answer_agreement")
     args, overrides = parser.parse_known_args(argv)
     try:
-        cfg = validate(compose(overrides))
-        pair = load_pair(cfg, train_if_missing=False, n_drafts=1)
+        cfg = validate(compose([*overrides, "train_if_missing=false"]))
+        pair = load_pair(cfg, n_drafts=1)
         draft = pair.draft.module  # one sentence for a pair without a draft
     except BenchError as err:
         print(f"error: {err}", file=sys.stderr)

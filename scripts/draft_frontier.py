@@ -109,8 +109,8 @@ def trained_draft_row(recipe: str, overrides: list[str], held_answers, held_top1
     here: None when it is missing)."""
     name, *more = recipe.split()
     try:
-        cfg = validate(compose([*overrides, f"recipe={name}", *more]))
-        pair = load_pair(cfg, train_if_missing=False, n_drafts=1)
+        cfg = validate(compose([*overrides, f"recipe={name}", *more, "train_if_missing=false"]))
+        pair = load_pair(cfg, n_drafts=1)
     except BenchError as err:
         print(f"recipe {recipe!r}: skipped ({err})", flush=True)
         return None

@@ -54,7 +54,7 @@ HEADS = ("medusa", "hydra", "hydra_pp", "amphista")
 def trained_reports(cfg) -> dict:
     """The training report of the pair's first distilled draft, of each heads method, of the verifier, of
     EAGLE's draft layer and of KOALA's heads over each base (``koala (base=medusa)``, as ``train all`` names it)."""
-    pair = load_pair(cfg, train_if_missing=False, n_drafts=1)
+    pair = load_pair(cfg, n_drafts=1)  # reads only: main composes train_if_missing=false
     specs = [s for s in cfg.pair.get("drafts") or [] if s.source == "distilled"]
     out = {"draft": draft_report(pair.target.module, pair.tokenizer, specs[0].recipe, pair.teacher) if specs else {}}
     for name in (*HEADS, "sprinter", "eagle", "koala"):
@@ -128,7 +128,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "recipe_report")
     args, overrides = ap.parse_known_args(argv)
     try:
-        cfg = validate(compose(overrides))
+        cfg = validate(compose([*overrides, "train_if_missing=false"]))
         reports = trained_reports(cfg)
         decoding = sweep_summary(args.sweep) if args.sweep else {}
     except BenchError as err:

@@ -68,9 +68,9 @@ def real_pair(compose_cfg):
     """The default target (SmolLM2-135M) with a draft distilled by the shipped code under the smoke recipe (about
     a minute on 2 cores): the real-pair tests check greedy equality, which holds whatever the draft's quality;
     the quick and full recipes' figures come from the README's measurements."""
-    from bench.models import load_pair
+    from tests.helpers import trained_pair
 
-    return load_pair(compose_cfg("pair=smollm2", "device=cpu", "recipe=smoke"))
+    return trained_pair(compose_cfg("pair=smollm2", "device=cpu", "recipe=smoke"))
 
 
 @pytest.fixture(scope="session")

@@ -159,3 +159,11 @@ def run_keeping_state(method, *args, **kwargs):
         del method.extra
     (state,) = states
     return out, state
+
+
+def trained_pair(cfg, n_drafts=None):
+    """The pair of ``cfg`` as a run gets it: its missing distilled drafts trained first (loading only reads)."""
+    from bench.models import load_pair, train_drafts
+
+    train_drafts(cfg, n_drafts)
+    return load_pair(cfg, n_drafts=n_drafts)

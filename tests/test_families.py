@@ -31,6 +31,7 @@ from tests.helpers import (
     noisy_copy,
     prompts_for,
     run,
+    trained_pair,
     with_drafts,
 )
 
@@ -127,9 +128,7 @@ def test_a_draft_of_all_the_targets_layers_is_the_target(family, family_pair):
 def test_a_distilled_draft_of_the_family_is_greedy_equal_to_ar(family, compose_cfg):
     """The harness-distilled draft (training/distill.py: the target's own embeddings, layers, final norm and
     head rows, through core.model_parts) on each family, run by ``sd``."""
-    from bench.models import load_pair
-
-    pair = load_pair(compose_cfg(f"pair=tiny_{family}", "pair.drafts=[{source: distilled, recipe: {layers: [0, 2]}}]"))
+    pair = trained_pair(compose_cfg(f"pair=tiny_{family}", "pair.drafts=[{source: distilled, recipe: {layers: [0, 2]}}]"))
     assert type(pair.draft.module).__name__ == "DraftLM"
     assert_greedy_equal_to_ar(build(pair, "sd"), prompts_for(pair, 2), max_new=MAX_NEW)
 

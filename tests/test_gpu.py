@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from methods.registry import get_method, known_methods
-from tests.helpers import assert_greedy_equal_to_ar, build, prompts_for, run
+from tests.helpers import assert_greedy_equal_to_ar, build, prompts_for, run, trained_pair
 from tests.test_families import REFUSED
 
 DEVICE = os.environ.get("BENCH_GPU_TEST_DEVICE", "cuda")
@@ -39,13 +39,12 @@ def on_device(compose_cfg, tmp_path_factory):
     """``(pair name, dtype) -> (pair, prompts)`` loaded once each on the device, with a cache of their own: every
     trained part (heads, drafts, masks, verifiers, datastores) is trained here, on the device, not read back
     from the CPU tests' cache."""
-    from bench.models import load_pair
 
     loaded, cache = {}, tmp_path_factory.mktemp("gpu-cache")
 
     def get(name, dtype="float32"):
         if (name, dtype) not in loaded:
-            pair = load_pair(compose_cfg(f"pair={name}", f"device={DEVICE}", f"dtype={dtype}", f"cache_dir={cache}"))
+            pair = trained_pair(compose_cfg(f"pair={name}", f"device={DEVICE}", f"dtype={dtype}", f"cache_dir={cache}"))
             loaded[name, dtype] = pair, prompts_for(pair, 2)
         return loaded[name, dtype]
 
@@ -108,7 +107,6 @@ def test_the_harness_on_the_device(compose_cfg, on_device, tmp_path):
 def test_a_distilled_draft_trains_on_the_device(compose_cfg, tmp_path, monkeypatch):
     """A missing distilled draft is trained beside the fp32 target on the run's device, then cast to the run's
     dtype; under ``sd`` it is ``ar``'s output (fp32)."""
-    from bench.models import load_pair
     from training import distill
 
     seen = []
@@ -119,7 +117,7 @@ def test_a_distilled_draft_trains_on_the_device(compose_cfg, tmp_path, monkeypat
         return real(target, *args, **kwargs)
 
     monkeypatch.setattr(distill, "train_draft", spy)
-    pair = load_pair(compose_cfg("pair=tiny", f"device={DEVICE}", "dtype=float32", f"cache_dir={tmp_path}",
+    pair = trained_pair(compose_cfg("pair=tiny", f"device={DEVICE}", "dtype=float32", f"cache_dir={tmp_path}",
                                  "pair.drafts=[{source: distilled, recipe: {layers: [0, 1]}}]"))
     assert seen == [(torch.device(DEVICE).type, torch.float32)]
     assert type(pair.draft.module).__name__ == "DraftLM"

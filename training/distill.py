@@ -23,7 +23,6 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from core.artifacts import (
     Artifact,
-    load_or_build,
     model_fingerprint,
     report_of,
 )
@@ -224,13 +223,6 @@ def draft_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher, devi
                          lambda draft: {"config": draft.config.to_dict(), "state": draft.state_dict()}, load,
                          "draft.pt", trained_by="draft",
                          description="distilled draft")
-
-
-def load_or_train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher, device=None) -> DraftLM:
-    """The cached draft for (target, recipe, teacher.recipe), trained first (on ``device``; default: where the
-    target is) when missing and the teacher may build (``train_if_missing``)."""
-    return load_or_build(draft_artifact(target, tokenizer, recipe, teacher, device), teacher.cache,
-                         teacher.build_if_missing)
 
 
 def draft_report(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> dict:

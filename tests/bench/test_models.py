@@ -4,7 +4,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from bench.models import load_pair
+from bench.models import load_pair, train_drafts
 from core.errors import BenchError
 from tests.helpers import decode, prompts_for
 from training.distill import draft_from_target
@@ -92,17 +92,39 @@ def distilled_cfg(compose_cfg):
     return cfg
 
 
+def test_loading_a_pair_never_trains_its_draft(compose_cfg, tmp_path, monkeypatch):
+    """A distilled draft missing from the cache: load_pair names the command that builds it and trains nothing
+    (the runner calls train_drafts first); train_drafts distils it, and only once."""
+    from training import distill
+
+    cfg = compose_cfg("pair=tiny", f"cache_dir={tmp_path}")
+    cfg.pair.drafts = [OmegaConf.create({"source": "distilled", "recipe": {"layers": [0], "vocab": 64}})]
+    trained = []
+    real = distill.train_draft
+    monkeypatch.setattr(distill, "train_draft", lambda *a, **k: trained.append(1) or real(*a, **k))
+    with pytest.raises(BenchError, match=r"no cached distilled draft at .*python -m bench train draft"):
+        load_pair(cfg)
+    assert trained == [] and not list(tmp_path.glob("drafts/**/draft.pt"))
+    assert load_pair(cfg, n_drafts=0).drafts == []  # a run without a drafting method needs no draft
+    reports = train_drafts(cfg)
+    assert trained == [1] and [r["vocab"] for r in reports] == [64]
+    assert train_drafts(cfg) == reports and trained == [1]  # cached: read back, reported again
+    assert type(load_pair(cfg).draft.module).__name__ == "DraftLM"
+
+
 def test_distilled_draft_trains_caches_and_is_lossless(distilled_cfg):
-    pair = load_pair(distilled_cfg)  # trains (seconds) and caches
+    train_drafts(distilled_cfg)  # trains (seconds) and caches
+    pair = load_pair(distilled_cfg)
     ids = prompts_for(pair, 1)[0]
     assert decode(pair, "sd", ids, max_new=24, gamma=3).output_ids == decode(pair, "ar", ids, max_new=24).output_ids
-    again = load_pair(distilled_cfg, train_if_missing=False)  # from the cache, no training
+    again = load_pair(distilled_cfg)  # from the cache again
     assert torch.equal(again.draft.module.head.weight, pair.draft.module.head.weight)
 
 
 def test_corrupt_draft_cache_is_rebuilt_or_one_clear_error(distilled_cfg):
     from training.distill import draft_artifact, draft_report
 
+    train_drafts(distilled_cfg)
     pair = load_pair(distilled_cfg)
     recipe = pair.spec.drafts[0].recipe  # as load_pair checked it, defaults filled in
     folder = draft_artifact(pair.target.module, pair.tokenizer, recipe, pair.teacher).folder(pair.cache)
@@ -113,8 +135,9 @@ def test_corrupt_draft_cache_is_rebuilt_or_one_clear_error(distilled_cfg):
     (folder / "draft.pt").write_bytes(blob[: len(blob) // 3])
     with pytest.raises(BenchError, match=r"distilled draft at .* cannot be used \(draft.pt has .*truncated.*"
                                          r"python -m bench train draft"):
-        load_pair(distilled_cfg, train_if_missing=False)
-    again = load_pair(distilled_cfg)  # building allowed: distilled again
+        load_pair(distilled_cfg)
+    train_drafts(distilled_cfg)  # building allowed: distilled again
+    again = load_pair(distilled_cfg)
     assert (folder / "draft.pt").stat().st_size == len(blob)
     ids = prompts_for(again, 1)[0]
     assert decode(again, "sd", ids, max_new=16, gamma=3).output_ids == decode(again, "ar", ids, max_new=16).output_ids
@@ -126,6 +149,7 @@ def test_answer_weight_weighs_positions_and_keys_only_when_set(distilled_cfg):
     from training.distill import distill_loss, draft_artifact
     from training.kit import sub_index
 
+    train_drafts(distilled_cfg)
     pair = load_pair(distilled_cfg)
     draft, target = pair.draft.module, pair.target.module
     torch.manual_seed(0)

@@ -151,6 +151,7 @@ def test_every_trainer_reads_the_store_and_labels_nothing_itself(compose_cfg, tm
 
     from bench.models import load_pair
     from methods.registry import get_method
+    from tests.helpers import trained_pair
 
     cfg = compose_cfg("pair=tiny", f"cache_dir={tmp_path}")
     cfg.pair.drafts = [OmegaConf.create({"source": "distilled", "recipe": {"layers": [0], "vocab": 64}})]
@@ -163,7 +164,7 @@ def test_every_trainer_reads_the_store_and_labels_nothing_itself(compose_cfg, tm
 
     monkeypatch.setattr(teacher, "teacher_pass", no_labelling)
     monkeypatch.setattr(teacher, "target_answers", no_labelling)
-    pair = load_pair(cfg)  # distils the draft from the store
+    pair = trained_pair(cfg)  # distils the draft from the store
     reports = {"draft": pair.draft.module is not None}
     for name in ("medusa", "hydra", "hydra_pp", "amphista", "sprinter", "eagle", "glide"):
         method = get_method(name)(get_method(name).settings({"recipe": {"vocab": 64}} if name != "sprinter" else {}), pair)
