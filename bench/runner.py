@@ -167,7 +167,7 @@ def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float, samp
         "top_p": cfg.top_p,
         "max_new_tokens": cfg.max_new_tokens,
         "seed": cfg.seed,
-        "method_cfg": OmegaConf.to_container(method.cfg, resolve=True),
+        "method_cfg": method.cfg.model_dump(mode="json"),
         # The training recipe behind the method's trained parts (draft, heads, verifier): its name, or
         # name~<hash> when its settings were overridden; None: nothing trained.
         "recipe": pair.teacher.recipe.label if type(method).trains(pair.spec) else None,

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from pydantic import BaseModel
 
 from core.errors import BenchError
 
@@ -44,6 +45,8 @@ def jsonable(x):
     a key must hash by its values, not by its repr), everything else left as it is."""
     if isinstance(x, (DictConfig, ListConfig)):
         return OmegaConf.to_container(x, resolve=True)
+    if isinstance(x, BaseModel):  # a typed settings object: its values as the command line would write them
+        return x.model_dump(mode="json")
     if isinstance(x, dict):
         return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):

@@ -29,12 +29,12 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from omegaconf import DictConfig
 from pydantic import Field
 from torch import nn
 
 from core.artifacts import (
     Artifact,
+    jsonable,
     load_or_build,
     report_of,
 )
@@ -139,7 +139,7 @@ def eagle_loss(draft: EagleDraft, batch: dict, embed, recipe, adversary: Adversa
     hidden, ids, mask = batch["hidden"].float(), batch["ids"], batch["mask"]
     feats = hidden[:, :-1]
     if recipe.noise > 0:
-        feats = feats + (torch.rand_like(feats) * 2 - 1) * float(recipe.noise)
+        feats = feats + (torch.rand_like(feats) * 2 - 1) * recipe.noise
     with torch.no_grad():  # the target's embedding is frozen: no gradient for it (a vocabulary-sized one)
         emb = embed(ids[:, 1:])
     guess = draft(feats, emb)  # (B, T - 1, H)
@@ -150,7 +150,7 @@ def eagle_loss(draft: EagleDraft, batch: dict, embed, recipe, adversary: Adversa
         p = torch.softmax(draft.head(true), -1)
     logq = torch.log_softmax(draft.head(guess), -1)
     ce = -(p * logq).sum(-1)
-    per_pos = float(recipe.v_weight) * reg + float(recipe.p_weight) * ce
+    per_pos = recipe.v_weight * reg + recipe.p_weight * ce
     loss = (per_pos * keep).sum() / keep.sum().clamp_min(1)
     if adversary is not None:
         loss = loss + adversary.term(logq, lambda rows: p[rows], keep.bool())
@@ -171,20 +171,20 @@ def eagle_judge(draft: EagleDraft, store, embed, device=None):
     return judge
 
 
-def train_eagle(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tuple[EagleDraft, dict]:
+def train_eagle(target, tokenizer, recipe: EagleRecipe, teacher: Teacher) -> tuple[EagleDraft, dict]:
     """Train EAGLE's draft layer from the teacher store's features of the frozen target; returns it (on the
     CPU, fp32) and a report (held-out depth-1 agreement before and after, on all text and on the target's own
     answers)."""
-    torch.manual_seed(int(recipe.seed))
+    torch.manual_seed(recipe.seed)
     target = fp32_eval(target)
     device = next(target.parameters()).device
     train, held = feature_stores(target, tokenizer, teacher, "EAGLE reads")
     cols = store_data(train, ("ids", "idx", "mask"))
-    vocab_map = store_vocab(tokenizer, cols, int(recipe.vocab), target.config.vocab_size)
-    layers = int(recipe.get("layers", 1))
-    draft = EagleDraft.from_target(target, vocab_map, str(recipe.init), layers).to(device)
-    adversarial = recipe.get("adversarial")
-    adversary = Adversary(len(vocab_map), AdversaryRecipe(**adversarial), device) if adversarial else None
+    vocab_map = store_vocab(tokenizer, cols, recipe.vocab, target.config.vocab_size)
+    layers = recipe.layers
+    draft = EagleDraft.from_target(target, vocab_map, recipe.init, layers).to(device)
+    adversarial = recipe.adversarial
+    adversary = Adversary(len(vocab_map), AdversaryRecipe.model_validate(jsonable(adversarial)), device) if adversarial else None
     embed = target.get_input_embeddings()
 
     def step(rows: torch.Tensor) -> torch.Tensor:
@@ -195,7 +195,7 @@ def train_eagle(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
     report = fit_and_measure(
         [draft], step, examples=len(train), judge=lambda: eagle_judge(draft, held, embed, device), held=len(held),
         answer_rows=[i for i in range(len(held)) if held.kind(i) == "answers"],
-        epochs=part_epochs("eagle", recipe, teacher), batch_size=int(recipe.batch_size), lr=float(recipe.lr),
+        epochs=part_epochs("eagle", recipe, teacher), batch_size=recipe.batch_size, lr=recipe.lr,
         desc=f"eagle: training {what}" + (" against a discriminator" if adversary is not None else ""))
     report.update(
         layers=layers,
@@ -210,7 +210,7 @@ def train_eagle(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
 # --------------------------------------------------------------------------------------------- caching
 
 
-def eagle_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher, method: str = "eagle") -> Artifact:
+def eagle_artifact(target, tokenizer, recipe: EagleRecipe, teacher: Teacher, method: str = "eagle") -> Artifact:
     """EAGLE's draft of (target, recipe, tokenizer, the run's training recipe) as a cached artifact: ``eagle.pt``.
     ``method``: what trains it, as a missing draft's message names it (``koala method.base=eagle`` trains a KOALA draft here too)."""
     key = {"recipe": part_key(recipe, layers=1, adversarial=None),
@@ -218,10 +218,10 @@ def eagle_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher, meth
     return module_artifact("eagle", target, key, lambda: train_eagle(target, tokenizer, recipe, teacher),
                           lambda vocab_map, layers: EagleDraft(target.config, vocab_map, layers),
                           trained_by=method,
-                          description="EAGLE draft layer" if int(recipe.get("layers", 1)) == 1 else "EAGLE draft")
+                          description="EAGLE draft layer" if recipe.layers == 1 else "EAGLE draft")
 
 
-def load_or_train_eagle(target, tokenizer, recipe: DictConfig, teacher: Teacher, train_if_missing: bool = True,
+def load_or_train_eagle(target, tokenizer, recipe: EagleRecipe, teacher: Teacher, train_if_missing: bool = True,
                         method: str = "eagle") -> tuple[EagleDraft, dict]:
     """The cached EAGLE draft for (target, recipe, teacher.recipe), trained first when missing and
     ``train_if_missing``; returns it (CPU, fp32) and its training report."""

@@ -53,7 +53,6 @@ import sys
 from typing import Literal
 
 import torch
-from omegaconf import DictConfig
 from pydantic import Field
 from torch import nn
 from torch.nn.functional import scaled_dot_product_attention
@@ -298,23 +297,23 @@ def glide_judge(draft: GlideDraft, store, kv, embed, offset: int = 0, device=Non
     return judge
 
 
-def train_glide(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tuple[GlideDraft, dict]:
+def train_glide(target, tokenizer, recipe: GlideRecipe, teacher: Teacher) -> tuple[GlideDraft, dict]:
     """Train GliDe's draft from the teacher store (the target's labels and its layer-L keys and values over the
     stored ids); returns it (CPU, fp32) and a report: held-out agreement of the first draft token with the
     target before and after (all text, the target's own answers) and of each draft position after."""
-    torch.manual_seed(int(recipe.seed))
+    torch.manual_seed(recipe.seed)
     target = fp32_eval(target)
     device = next(target.parameters()).device
-    layer = kv_layer(target.config, int(recipe.layer), "method.recipe.layer")
+    layer = kv_layer(target.config, recipe.layer, "method.recipe.layer")
     train_kv = teacher.kv_store(target, tokenizer, "train", layer)
     held_kv = teacher.kv_store(target, tokenizer, "test", layer)
     train, held = train_kv.store, held_kv.store
     cols = store_data(train, ("ids", "idx", "mask"))
-    vocab_map = store_vocab(tokenizer, cols, int(recipe.vocab), target.config.vocab_size)
+    vocab_map = store_vocab(tokenizer, cols, recipe.vocab, target.config.vocab_size)
     to_sub = sub_index(vocab_map, target.config.vocab_size).to(device)
-    draft = GlideDraft.from_target(target, vocab_map, str(recipe.init), int(recipe.layers), layer).to(device)
+    draft = GlideDraft.from_target(target, vocab_map, recipe.init, recipe.layers, layer).to(device)
     embed = target.get_input_embeddings()
-    bs, block = int(recipe.batch_size), int(recipe.block)
+    bs, block = recipe.batch_size, recipe.block
 
     def step(rows: torch.Tensor) -> torch.Tensor:
         batch = read_rows(train, train_kv, rows, ("ids", "idx", "prob", "mask"), device)
@@ -325,13 +324,13 @@ def train_glide(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
     report = fit_and_measure(
         [draft], step, examples=len(train), judge=lambda: glide_judge(draft, held, held_kv, embed, device=device),
         held=len(held), answer_rows=answers, epochs=part_epochs("glide", recipe, teacher), batch_size=bs,
-        lr=float(recipe.lr), desc="glide: training the draft")
+        lr=recipe.lr, desc="glide: training the draft")
     labels = store_data(held, ("idx", "mask"))
     report.update(
         # Draft token i + 1 when the ones before it were right (the view of position i of a block); i = 0 is the first.
         agreement_by_offset=[agreement(glide_judge(draft, held, held_kv, embed, i, device), range(len(held)), bs)
                              ["all"][0] for i in range(block)],
-        layers=int(recipe.layers),
+        layers=recipe.layers,
         layer=layer,
         block=block,
         recipe=teacher.recipe.name,
@@ -346,7 +345,7 @@ def train_glide(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
 # --------------------------------------------------------------------------------------------- caching
 
 
-def glide_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> Artifact:
+def glide_artifact(target, tokenizer, recipe: GlideRecipe, teacher: Teacher) -> Artifact:
     """GliDe's draft of (target, recipe, tokenizer, the run's training recipe) as a cached artifact: ``glide.pt``."""
     key = {"recipe": part_key(recipe), "teacher": budget(teacher, part_epochs("glide", recipe, teacher)),
            **tokenizer_key(tokenizer)}
@@ -356,7 +355,7 @@ def glide_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> A
                           description="GliDe draft")
 
 
-def load_or_train_glide(target, tokenizer, recipe: DictConfig, teacher: Teacher,
+def load_or_train_glide(target, tokenizer, recipe: GlideRecipe, teacher: Teacher,
                         train_if_missing: bool = True) -> tuple[GlideDraft, dict]:
     """The cached GliDe draft for (target, recipe, teacher.recipe), trained first when missing and
     ``train_if_missing``; returns it (CPU, fp32) and its training report."""

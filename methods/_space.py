@@ -32,7 +32,6 @@ Where this differs from the paper, and why:
 from __future__ import annotations
 
 import torch
-from omegaconf import DictConfig
 from pydantic import Field
 from torch import nn
 from transformers import DynamicCache
@@ -215,23 +214,23 @@ class frozen:
             p.requires_grad_(flag)
 
 
-def train_space(target, tokenizer, masks: int, recipe: DictConfig, teacher: Teacher) -> tuple[MaskEmbeddings, dict]:
+def train_space(target, tokenizer, masks: int, recipe: SpaceRecipe, teacher: Teacher) -> tuple[MaskEmbeddings, dict]:
     """Train the ``masks`` mask embeddings through the frozen ``target`` from the teacher store; returns them (CPU,
     fp32) and a report: held-out agreement per mask position before and after, on all text and on the target's
     own answers."""
-    torch.manual_seed(int(recipe.seed))
+    torch.manual_seed(recipe.seed)
     target = fp32_eval(target)
     device = next(target.parameters()).device
     train, held = teacher.store(target, tokenizer, "train"), teacher.store(target, tokenizer, "test")
     emb = MaskEmbeddings.from_target(target, masks, bool(recipe.shared)).to(device)
-    bs, cuts = int(recipe.batch_size), int(recipe.cuts)
+    bs, cuts = recipe.batch_size, recipe.cuts
     with frozen(target):
         report = fit_and_measure(
             [emb], lambda rows: space_loss(target, emb, {n: t.to(device) for n, t in train.rows(rows, FIELDS).items()},
                                            cuts),
             examples=len(train), judge=lambda: space_judge(target, emb, held, cuts), held=len(held),
             answer_rows=[i for i in range(len(held)) if held.kind(i) == "answers"],
-            epochs=part_epochs("space", recipe, teacher), batch_size=bs, lr=float(recipe.lr),
+            epochs=part_epochs("space", recipe, teacher), batch_size=bs, lr=recipe.lr,
             desc=f"space: training {masks} mask embeddings through the frozen target")
     report.update(masks=masks, recipe=teacher.recipe.name, train_tokens=int(train.tokens))
     return emb.cpu().eval(), report
@@ -240,7 +239,7 @@ def train_space(target, tokenizer, masks: int, recipe: DictConfig, teacher: Teac
 # --------------------------------------------------------------------------------------------- caching
 
 
-def space_artifact(target, tokenizer, masks: int, recipe: DictConfig, teacher: Teacher) -> Artifact:
+def space_artifact(target, tokenizer, masks: int, recipe: SpaceRecipe, teacher: Teacher) -> Artifact:
     """SPACE's mask embeddings of (target, masks, recipe, tokenizer, the run's training recipe): ``space.pt``."""
     ident = model_fingerprint(target)
     hidden = target.config.hidden_size
@@ -261,7 +260,7 @@ def space_artifact(target, tokenizer, masks: int, recipe: DictConfig, teacher: T
                          description="SPACE mask embeddings")
 
 
-def load_or_train_space(target, tokenizer, masks: int, recipe: DictConfig, teacher: Teacher,
+def load_or_train_space(target, tokenizer, masks: int, recipe: SpaceRecipe, teacher: Teacher,
                         train_if_missing: bool = True) -> tuple[MaskEmbeddings, dict]:
     """The cached mask embeddings, trained first when missing and ``train_if_missing``; returns them (CPU, fp32)
     and their training report."""

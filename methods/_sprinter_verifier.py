@@ -18,7 +18,6 @@ from typing import Literal, get_args
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
 from pydantic import Field
 from torch import nn
 from tqdm.auto import tqdm
@@ -104,7 +103,7 @@ def draft_forward(draft, input_ids: torch.Tensor, cache=None, **kw):
 
 
 @torch.no_grad()
-def verifier_data(draft, target, store, recipe: DictConfig, device, desc: str, generator):
+def verifier_data(draft, target, store, recipe: VerifierRecipe, device, desc: str, generator):
     """Features and labels at every labelled position of ``store``: ``(FloatTensor (N, d_in), BoolTensor (N,))``.
 
     At each position the candidate is the draft's own next token (its argmax for ``label: greedy``; a draw from
@@ -114,13 +113,13 @@ def verifier_data(draft, target, store, recipe: DictConfig, device, desc: str, g
     """
     feats, labels = [], []
     fields = ("ids", "idx", "mask") + (("hidden",) if recipe.label == "sampling" else ())
-    for part in tqdm(torch.arange(len(store)).split(int(recipe.batch_size)), desc=desc, unit="batch"):
+    for part in tqdm(torch.arange(len(store)).split(recipe.batch_size), desc=desc, unit="batch"):
         b = {n: t.to(device) for n, t in store.rows(part, fields).items()}
         dlogits, hidden = draft_forward(draft, b["ids"])
         if recipe.label == "greedy":
             label = b["idx"][..., 0] == dlogits.argmax(-1)
         else:
-            t = float(recipe.temperature)
+            t = recipe.temperature
             q = torch.softmax(dlogits.float() / t, -1)
             p = torch.softmax(target.get_output_embeddings()(b["hidden"].to(target.dtype)).float() / t, -1)
             cand = torch.multinomial(q.flatten(0, 1), 1, generator=generator).view(q.shape[:-1])
@@ -168,10 +167,10 @@ def classification_report(scores: np.ndarray, labels: np.ndarray, threshold: flo
     }
 
 
-def train_verifier(pair, recipe: DictConfig) -> tuple[Verifier, dict]:
+def train_verifier(pair, recipe: VerifierRecipe) -> tuple[Verifier, dict]:
     """Train the verifier of ``pair``'s first draft from the teacher store; returns it and its held-out report."""
-    torch.manual_seed(int(recipe.seed))
-    gen = torch.Generator(device=pair.device).manual_seed(int(recipe.seed))
+    torch.manual_seed(recipe.seed)
+    gen = torch.Generator(device=pair.device).manual_seed(recipe.seed)
     draft, target, teacher = pair.draft.module, pair.target.module, pair.teacher
     if recipe.label == "sampling" and not teacher.recipe.store.hidden:
         raise BenchError("sampling labels need the target's stored hidden states; set recipe.store.hidden=true.")
@@ -180,7 +179,7 @@ def train_verifier(pair, recipe: DictConfig) -> tuple[Verifier, dict]:
     x, y = verifier_data(draft, target, train, recipe, pair.device, "verifier: labels", gen)
     xh, yh = verifier_data(draft, target, held, recipe, pair.device, "verifier: held-out labels", gen)
 
-    model = Verifier(x.shape[1], int(recipe.width))
+    model = Verifier(x.shape[1], recipe.width)
     model.mean.copy_(x.mean(0))
     model.std.copy_(x.std(0).clamp_min(1e-6))
     n_pos, n_neg = int(y.sum()), int((~y).sum())
@@ -188,23 +187,23 @@ def train_verifier(pair, recipe: DictConfig) -> tuple[Verifier, dict]:
     pos_weight = torch.tensor(n_neg / n_pos if n_pos and n_neg else 1.0)
     loss_fn = nn.BCEWithLogitsLoss(pos_weight=pos_weight)
     yf = y.float()
-    batch = int(recipe.train_batch)
+    batch = recipe.train_batch
     model.train()
     final_loss = fit(list(model.parameters()), lambda: torch.randperm(len(x)).split(batch),
                      lambda b: loss_fn(model(x[b]), yf[b]), epochs=part_epochs("verifier", recipe, teacher),
-                     steps_per_epoch=math.ceil(len(x) / batch), lr=float(recipe.lr),
-                     weight_decay=float(recipe.weight_decay), one_cycle=False, clip=None, desc="verifier: training")
+                     steps_per_epoch=math.ceil(len(x) / batch), lr=recipe.lr,
+                     weight_decay=recipe.weight_decay, one_cycle=False, clip=None, desc="verifier: training")
     model.eval()
     with torch.no_grad():
         scores = torch.sigmoid(model(xh)).numpy()
     report = classification_report(scores, yh.numpy())
     report.update(train_examples=len(x), heldout_examples=len(xh), train_accept_rate=n_pos / max(len(y), 1),
-                  features=int(x.shape[1]), width=int(recipe.width), final_loss=final_loss, recipe=teacher.recipe.name,
+                  features=int(x.shape[1]), width=recipe.width, final_loss=final_loss, recipe=teacher.recipe.name,
                   epochs=part_epochs("verifier", recipe, teacher))
     return model, report
 
 
-def verifier_artifact(pair, recipe: DictConfig) -> Artifact:
+def verifier_artifact(pair, recipe: VerifierRecipe) -> Artifact:
     """The verifier of (pair, recipe) as a cached artifact: ``verifier.pt``.
 
     Keyed by the weights of both models, not only their specs: a retrained draft (same spec) must not reuse
@@ -225,12 +224,12 @@ def verifier_artifact(pair, recipe: DictConfig) -> Artifact:
                          trained_by="sprinter")
 
 
-def verifier_dir(pair, recipe: DictConfig) -> Path:
+def verifier_dir(pair, recipe: VerifierRecipe) -> Path:
     """Where the verifier of (pair, recipe) is cached."""
     return verifier_artifact(pair, recipe).folder(pair.cache)
 
 
-def load_or_train_verifier(pair, recipe: DictConfig, train_if_missing: bool) -> tuple[Verifier, dict]:
+def load_or_train_verifier(pair, recipe: VerifierRecipe, train_if_missing: bool) -> tuple[Verifier, dict]:
     """The cached verifier of (pair, recipe) and its held-out report, trained first when missing and
     ``train_if_missing``."""
     art = verifier_artifact(pair, recipe)

@@ -251,7 +251,7 @@ def load_or_build_skip_set(pair, settings, n_layers: int, build_if_missing: bool
         skip.check(n_layers, "the cached swift skip set")
         return skip, report
 
-    key = {"target": model_fingerprint(target.module), "search": {k: settings[k] for k in keys}}
+    key = {"target": model_fingerprint(target.module), "search": {k: getattr(settings, k) for k in keys}}
     art = Artifact("swift", "skip-set", key, build, load, version=2, description="swift skip set",
                    otherwise="method.search=online")
     return load_or_build(art, pair.cache, build_if_missing)

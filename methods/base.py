@@ -73,14 +73,17 @@ class Method:
     label_settings: tuple[str, ...] = ()  # settings its rows in tables always name (beside those that vary)
     train_variants: tuple[dict, ...] = ({},)  # the settings ``train all`` trains it with (over its defaults)
 
-    def __init__(self, cfg: DictConfig | dict, pair: Pair):
-        self.cfg = self.settings(cfg)  # validated, defaults filled in: the same checks as the command line
+    def __init__(self, cfg: MethodSettings | DictConfig | dict, pair: Pair):
+        self.cfg = self.check_settings(cfg)  # typed: validated, defaults filled in, as the command line checks
         self.pair = pair
 
     @classmethod
-    def check_settings(cls, cfg: DictConfig | dict) -> MethodSettings:
+    def check_settings(cls, cfg: MethodSettings | DictConfig | dict) -> MethodSettings:
         """``cfg`` (the ``method`` node, or part of it) checked against :attr:`Config`, defaults filled in."""
-        data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+        if isinstance(cfg, DictConfig):
+            data = OmegaConf.to_container(cfg, resolve=True)
+        else:
+            data = cfg.model_dump(mode="json") if isinstance(cfg, Settings) else dict(cfg)
         data.setdefault("name", cls.name)
         return check(cls.Config, data, "method", f"method={cls.name}")
 
@@ -101,7 +104,7 @@ class Method:
         """``(label, settings)`` of each variant ``train all`` trains (:attr:`train_variants` over the defaults):
         the method's name for its defaults, ``koala (base=medusa)`` for one that sets something."""
         return [(f"{cls.name} ({', '.join(f'{k}={v}' for k, v in over.items())})" if over else cls.name,
-                 cls.settings(over)) for over in cls.train_variants]
+                 cls.check_settings(over)) for over in cls.train_variants]
 
     def setup(self, train_if_missing: bool = True) -> None:
         """Load (or build, when missing) what the method needs beyond the pair: heads, verifier, tables."""

@@ -137,7 +137,7 @@ class Hierarchy(DraftVerify):
         # The model-dependent database: (prompt, output) of the target's earlier generations.
         self.model_docs: list[tuple[tuple[int, ...], list[int]]] = []
         if "model" in cfg.databases:
-            if cfg.get("model_db_file"):
+            if cfg.model_db_file:
                 self.model_docs += load_records_db(cfg.model_db_file, self.pair.name)
             if cfg.model_db.prompts > 0:
                 self.model_docs += [((), doc) for doc in load_or_build_model_db(self.pair, cfg.model_db, train_if_missing)]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 
 import torch
-from omegaconf import DictConfig
 from pydantic import Field, NonNegativeInt
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
@@ -159,21 +158,21 @@ def draft_judge(draft: DraftLM, data: dict):
     return judge
 
 
-def train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tuple[DraftLM, dict]:
+def train_draft(target, tokenizer, recipe: DistillRecipe, teacher: Teacher) -> tuple[DraftLM, dict]:
     """Distil a draft from the frozen target on the teacher store (packaged text and the target's own answers,
     interleaved at random); returns the draft and its training report (held-out agreement, by kind of text)."""
-    torch.manual_seed(int(recipe.seed))
+    torch.manual_seed(recipe.seed)
     target = target.float().eval()
     train = store_data(teacher.store(target, tokenizer, "train"), ("ids", "idx", "prob", "mask", "answer"))
     held_store = teacher.store(target, tokenizer, "test")
     held = store_data(held_store, ("ids", "idx", "mask", "answer"))
     m = train["mask"]
-    vocab_map = store_vocab(tokenizer, train, int(recipe.vocab), target.config.vocab_size)
+    vocab_map = store_vocab(tokenizer, train, recipe.vocab, target.config.vocab_size)
     device = next(target.parameters()).device  # trained where the target is (the run's device)
     to_sub = sub_index(vocab_map, target.config.vocab_size)
     train["prob"] = train["prob"] * m.unsqueeze(-1)  # padding is no label
     # Answer positions weigh answer_weight, the rest 1 (the mean is over the weights, so only the ratio counts).
-    train["weight"] = 1.0 + (float(recipe.get("answer_weight", 1.0)) - 1.0) * train.pop("answer").float()
+    train["weight"] = 1.0 + (recipe.answer_weight - 1.0) * train.pop("answer").float()
 
     draft = draft_from_target(target, list(recipe.layers), vocab_map).to(device)
     on = to_sub.to(device)
@@ -183,7 +182,7 @@ def train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
                                         train["weight"][b].to(device)),
         examples=len(train["ids"]), judge=lambda: draft_judge(draft, held), held=len(held["ids"]),
         answer_rows=[i for i in range(len(held["ids"])) if held_store.kind(i) == "answers"],
-        epochs=part_epochs("draft", recipe, teacher), batch_size=int(recipe.batch_size), lr=float(recipe.lr),
+        epochs=part_epochs("draft", recipe, teacher), batch_size=recipe.batch_size, lr=recipe.lr,
         desc="draft: distilling")
     report.update(
         recipe=teacher.recipe.name,
@@ -195,7 +194,7 @@ def train_draft(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> tupl
     return draft.cpu(), report
 
 
-def draft_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher, device=None) -> Artifact:
+def draft_artifact(target, tokenizer, recipe: DistillRecipe, teacher: Teacher, device=None) -> Artifact:
     """The distilled draft of (target, recipe, the run's training recipe) as a cached artifact: ``draft.pt``
     (config and weights).
 
@@ -225,6 +224,6 @@ def draft_artifact(target, tokenizer, recipe: DictConfig, teacher: Teacher, devi
                          description="distilled draft")
 
 
-def draft_report(target, tokenizer, recipe: DictConfig, teacher: Teacher) -> dict:
+def draft_report(target, tokenizer, recipe: DistillRecipe, teacher: Teacher) -> dict:
     """The training report of the cached draft for (target, recipe, teacher.recipe) ({} when there is none)."""
     return report_of(draft_artifact(target, tokenizer, recipe, teacher), teacher.cache)

@@ -10,6 +10,7 @@ import torch
 from pydantic import Field
 from tqdm.auto import tqdm
 
+from core.artifacts import jsonable
 from core.schema import Settings
 
 
@@ -32,8 +33,9 @@ class TrainRecipe(Settings):
     def epochs_for(cls, recipe, run_recipe: str) -> int:
         """The passes ``recipe`` (this class's settings, as a dict or config) makes under the run recipe named
         ``run_recipe``."""
-        if recipe.get("epochs") is not None:
-            return int(recipe["epochs"])
+        given = jsonable(recipe).get("epochs")
+        if given is not None:
+            return int(given)
         return cls.EPOCHS.get(run_recipe, cls.EPOCHS["quick"])
 
 

@@ -55,8 +55,8 @@ class Adversary:
 
     def __init__(self, vocab: int, recipe: AdversaryRecipe, device=None):
         self.recipe = recipe
-        self.disc = Discriminator(vocab, int(recipe.hidden)).to(device)
-        self.opt = torch.optim.Adam(self.disc.parameters(), lr=float(recipe.lr), betas=(0.5, 0.999))
+        self.disc = Discriminator(vocab, recipe.hidden).to(device)
+        self.opt = torch.optim.Adam(self.disc.parameters(), lr=recipe.lr, betas=(0.5, 0.999))
         self.steps, self.auc_sum = 0, 0.0
         self.auc = self.d_loss = float("nan")
 

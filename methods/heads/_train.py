@@ -8,14 +8,13 @@ from __future__ import annotations
 import logging
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
-from core.artifacts import Artifact, load_or_build, model_fingerprint, report_of
+from core.artifacts import Artifact, jsonable, load_or_build, model_fingerprint, report_of
 from core.errors import BenchError
 from methods.heads._adversarial import Adversary, AdversaryRecipe
 from methods.heads._amphista import AmphistaHeads
-from methods.heads._heads import Heads, PrefixLayer
+from methods.heads._heads import Heads, HeadsRecipe, PrefixLayer
 from training.kit import (
     budget,
     feature_stores,
@@ -96,43 +95,44 @@ def heads_judge(heads: Heads, store, embed, prefix: PrefixLayer | None = None, d
     return judge
 
 
-def train_heads(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teacher) -> tuple[Heads, PrefixLayer | None, dict]:
+def train_heads(target, tokenizer, kind: str, recipe: HeadsRecipe, teacher: Teacher) -> tuple[Heads, PrefixLayer | None, dict]:
     """Train K heads of ``kind`` (and the prefix layer, when the recipe asks for one) from the teacher store of
     the frozen target: its stored hidden states are the heads' input, its labels their targets. Returns them
     (on the CPU) and a report (figures per head)."""
-    torch.manual_seed(int(recipe.seed))
+    torch.manual_seed(recipe.seed)
     target = fp32_eval(target)
     device = next(target.parameters()).device
     embed = target.get_input_embeddings()
-    K = int(recipe.num_heads)
+    K = recipe.num_heads
     settings = teacher.recipe.store
     if settings.seq_len <= K + 1:  # also checked with the config (TreeHeadsMethod.check_recipe)
         raise BenchError(f"recipe.store.seq_len ({settings.seq_len}) must exceed method.recipe.num_heads + 1 ({K + 1}).")
     train, held = feature_stores(target, tokenizer, teacher, "heads read")
     cols = store_data(train, ("ids", "idx", "mask"))
-    vocab_map = store_vocab(tokenizer, cols, int(recipe.vocab), target.config.vocab_size)
+    vocab_map = store_vocab(tokenizer, cols, recipe.vocab, target.config.vocab_size)
     to_sub = sub_index(vocab_map, target.config.vocab_size).to(device)
 
-    heads = new_heads(kind, target.config, K, vocab_map, int(recipe.get("layers", 1)), int(recipe.get("stages", 0)))
+    heads = new_heads(kind, target.config, K, vocab_map, recipe.layers,
+                      getattr(recipe, "stages", 0))  # stages: Amphista's recipe only
     heads = heads.to(device)
     heads.init_from(target)
     teacher_head = None
-    adversarial = recipe.get("adversarial")
-    adversary = Adversary(len(vocab_map), AdversaryRecipe(**adversarial), device) if adversarial else None
+    adversarial = recipe.adversarial
+    adversary = Adversary(len(vocab_map), AdversaryRecipe.model_validate(jsonable(adversarial)), device) if adversarial else None
     if recipe.loss == "teacher" or adversary is not None:  # the target's own output rows over the heads' vocabulary, frozen
         teacher_head = nn.Linear(target.config.hidden_size, len(vocab_map), bias=False).to(device).requires_grad_(False)
         teacher_head.weight.data.copy_(target.get_output_embeddings().weight.data[vocab_map.to(device)])
-    prefix = PrefixLayer.from_target(target).to(device) if recipe.get("prefix_layer", False) else None
+    prefix = PrefixLayer.from_target(target).to(device) if recipe.prefix_layer else None
 
     def step(rows: torch.Tensor) -> torch.Tensor:
         batch = {n: t.to(device) for n, t in train.rows(rows, ("ids", "idx", "mask", "hidden")).items()}
-        return heads_loss(heads, batch, to_sub, recipe.loss, embed, float(recipe.decay), prefix, teacher_head, adversary)
+        return heads_loss(heads, batch, to_sub, recipe.loss, embed, recipe.decay, prefix, teacher_head, adversary)
 
     report = fit_and_measure(
         [heads] + ([prefix] if prefix is not None else []), step, examples=len(train),
         judge=lambda: heads_judge(heads, held, embed, prefix, device), held=len(held),
         answer_rows=[i for i in range(len(held)) if held.kind(i) == "answers"],
-        epochs=part_epochs("heads", recipe, teacher), batch_size=int(recipe.batch_size), lr=float(recipe.lr),
+        epochs=part_epochs("heads", recipe, teacher), batch_size=recipe.batch_size, lr=recipe.lr,
         desc=f"{kind}: training {K} heads" + (" and the prefix layer" if prefix is not None else "")
         + (" against a discriminator" if adversary is not None else ""))
     held_top1 = held.rows(range(len(held)), ("idx", "mask"))
@@ -153,14 +153,14 @@ def train_heads(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teach
 # --------------------------------------------------------------------------------------------- caching
 
 
-def heads_artifact(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teacher, method: str | None = None) -> Artifact:
+def heads_artifact(target, tokenizer, kind: str, recipe: HeadsRecipe, teacher: Teacher, method: str | None = None) -> Artifact:
     """The heads of (target, kind, recipe, the run's training recipe) as a cached artifact: ``heads.pt`` (heads
     and prefix layer).
 
     ``prefix_layer`` is keyed as a bool (absent = false), so a cached file always has the prefix layer its
     recipe asks for; loading checks it anyway, since a mismatch would decode with the wrong heads' input.
     """
-    keyed = {**part_key(recipe, adversarial=None), "prefix_layer": bool(recipe.get("prefix_layer", False))}
+    keyed = {**part_key(recipe, adversarial=None), "prefix_layer": recipe.prefix_layer}
     ident = model_fingerprint(target)
 
     def train() -> tuple[tuple[Heads, PrefixLayer | None], dict]:
@@ -194,7 +194,7 @@ def heads_artifact(target, tokenizer, kind: str, recipe: DictConfig, teacher: Te
                          description=f"{kind} heads")
 
 
-def load_or_train_heads(target, tokenizer, kind: str, recipe: DictConfig, teacher: Teacher,
+def load_or_train_heads(target, tokenizer, kind: str, recipe: HeadsRecipe, teacher: Teacher,
                         train_if_missing: bool = True, method: str | None = None) -> tuple[Heads, PrefixLayer | None, dict]:
     """The cached heads for (target, kind, recipe, teacher.recipe), trained first when missing and
     ``train_if_missing``.

@@ -75,7 +75,7 @@ class Koala(Method):
 
     def __init__(self, cfg, pair):
         super().__init__(cfg, pair)
-        self.base = BASES[self.cfg.base](self.cfg[self.cfg.base], pair)
+        self.base = BASES[self.cfg.base](getattr(self.cfg, self.cfg.base), pair)
         # What the base's messages and hints name (e.g. "python -m bench train method method=koala method.base=medusa").
         self.base.name = f"koala method.base={self.cfg.base}"
 

@@ -26,8 +26,11 @@ from tests.helpers import (
 
 @pytest.fixture()
 def pair(tiny_pair):
-    """The tiny pair with a role table of its own, so swift's roles do not leak into other tests."""
-    return dataclasses.replace(tiny_pair, roles={})
+    """The tiny pair with a role table of its own, so swift's roles do not leak into other tests, and counts from
+    zero (the shared target's counter holds whatever the tests before decoded)."""
+    fresh = dataclasses.replace(tiny_pair, roles={})
+    fresh.reset_counts()
+    return fresh
 
 
 def test_skipping_drops_exactly_those_sublayers(pair):
