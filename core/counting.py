@@ -1,7 +1,10 @@
 """Counting wrappers: every forward pass of every model goes through one of these, tagged with its role.
 
 Methods call the wrapper exactly as they would call the model; the harness reads and resets the counts.
-A method never counts for itself, so calls, tokens and FLOPs are comparable across methods.
+A method never counts for itself, so calls, tokens and FLOPs are comparable across methods. A wrapper for a
+method's own module (a draft layer, heads) says what a call runs -- its formula, the rows its output head
+runs on, FLOPs its formula does not describe -- and :meth:`Counted._count` alone adds them up
+(``tests/core/test_counting.py`` checks that nothing else writes a count).
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from core.flops import FlopFormula
 class Counted:
     """Calls, scored tokens and analytic FLOPs of one role (target, draft, heads, verifier, ...)."""
 
+    head_weights: int = 0  # weights of the output head: a call that runs it on fewer rows saves 2 FLOPs each
+
     def __init__(self, module: nn.Module, role: str, config=None):
         self.module = module
         self.role = role
-        self.formula = FlopFormula(module, config)
+        self.formula = FlopFormula(module, config)  # FLOPs of (new_tokens, kv_len) for one sequence
         self.reset()
 
     def reset(self) -> None:
@@ -29,10 +34,19 @@ class Counted:
     def stats(self) -> dict:
         return {"calls": self.calls, "tokens": self.tokens, "flops": self.flops}
 
-    def _count(self, batch: int, new_tokens: int, kv_len: int) -> None:
+    def _count(self, batch: int, new_tokens: int, kv_len: int, *, head_rows: int | None = None,
+               flops: float | None = None, extra_flops: float = 0.0) -> None:
+        """One call over ``batch`` sequences of ``new_tokens`` query positions each, attending to ``kv_len``
+        keys. FLOPs: the formula's, or ``flops`` (the whole call's) where the call runs only a part of the module
+        (one head of several); less the output head on all but the last ``head_rows`` positions of each sequence
+        (``None``: all rows); plus ``extra_flops`` the formula does not describe (attention over another
+        model's keys)."""
         self.calls += 1
         self.tokens += batch * new_tokens
-        self.flops += batch * self.formula(new_tokens, kv_len)
+        total = batch * self.formula(new_tokens, kv_len) if flops is None else flops
+        if head_rows is not None and head_rows < new_tokens:
+            total -= 2.0 * self.head_weights * batch * (new_tokens - head_rows)
+        self.flops += total + extra_flops
 
 
 class CountedLM(Counted):
@@ -56,11 +70,9 @@ class CountedLM(Counted):
     def __call__(self, input_ids: torch.Tensor, cache, **kwargs):
         batch, new_tokens = input_ids.shape
         past = cache.get_seq_length() if cache is not None else 0
-        self._count(batch, new_tokens, past + new_tokens)
-        keep = kwargs.get("logits_to_keep", 0)
-        if isinstance(keep, int) and 0 < keep < new_tokens:
-            # Only the last `keep` positions go through the output head (a prefill needs just one).
-            self.flops -= 2 * self.head_weights * batch * (new_tokens - keep)
+        keep = kwargs.get("logits_to_keep", 0)  # only the last `keep` positions go through the output head (0: all)
+        rows = keep if isinstance(keep, int) and keep > 0 else None
+        self._count(batch, new_tokens, past + new_tokens, head_rows=rows)
         return self.module(input_ids=input_ids, cache=cache, use_cache=cache is not None, **kwargs)
 
 

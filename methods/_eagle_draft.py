@@ -123,8 +123,7 @@ class CountedEagle(Counted):
 
     def __call__(self, feats, emb, cache, rows: int, **kwargs):
         n = feats.shape[1]
-        self._count(1, n, cache.get_seq_length() + n)
-        self.flops -= 2.0 * self.head_weights * (n - rows)
+        self._count(1, n, cache.get_seq_length() + n, head_rows=rows)
         out = self.module(feats, emb, cache, **kwargs)
         return out, self.module.head(out[:, n - rows :])
 
@@ -184,7 +183,8 @@ def train_eagle(target, tokenizer, recipe: EagleRecipe, teacher: Teacher) -> tup
     layers = recipe.layers
     draft = EagleDraft.from_target(target, vocab_map, recipe.init, layers).to(device)
     adversarial = recipe.adversarial
-    adversary = Adversary(len(vocab_map), AdversaryRecipe.model_validate(jsonable(adversarial)), device) if adversarial else None
+    adversary = (Adversary(len(vocab_map), AdversaryRecipe.model_validate(jsonable(adversarial)), device)
+                 if adversarial else None)
     embed = target.get_input_embeddings()
 
     def step(rows: torch.Tensor) -> torch.Tensor:

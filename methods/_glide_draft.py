@@ -233,9 +233,8 @@ class CountedGlide(Counted):
 
     def __call__(self, emb, positions, k, v, visible, cache, rows: int = 1):
         n = emb.shape[1]
-        self._count(1, n, cache.get_seq_length() + n)
-        self.flops += 4.0 * self.formula.n_layer * self.formula.d_attn * n * k.shape[-2]
-        self.flops -= 2.0 * self.head_weights * (n - rows)
+        cross = 4.0 * self.formula.n_layer * self.formula.d_attn * n * k.shape[-2]  # scores and sum over m keys
+        self._count(1, n, cache.get_seq_length() + n, head_rows=rows, extra_flops=cross)
         out = self.module(emb, positions, k, v, visible, cache)
         return self.module.head(out[:, n - rows :])
 

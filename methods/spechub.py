@@ -117,7 +117,7 @@ class SpecHub(DraftVerify):
         past: int  # this step's pending position, where the draft's tree starts
         root_q: torch.Tensor | None  # the draft's q at the pending token, (vocab,); None when greedy
         root_top: int  # the draft's top token there
-        calls: int  # target calls that scored a drafted tree
+        tree_steps: int  # steps whose target forward scored a drafted tree
         kept_by_draft: list[int]  # root acceptances, by the sequence kept
         kept_top: int  # root acceptances of the draft's top token
         expected: dict[str, list[float]]  # per call, each scheme's expected root acceptance (sampling, 2 drafts)
@@ -127,7 +127,7 @@ class SpecHub(DraftVerify):
         state.dcache = state.draft_cache(self.pair.draft)
         state.past = 0
         state.root_q, state.root_top = None, -1
-        state.calls = 0
+        state.tree_steps = 0
         state.kept_by_draft = [0] * self.cfg.drafts
         state.kept_top = 0
         state.expected = {"hub": [], "rrs": []}
@@ -191,7 +191,7 @@ class SpecHub(DraftVerify):
     def tally(self, state: State, draft: Draft, logits: torch.Tensor, path: list[int]) -> None:
         """Which root draft was kept; and, when sampling two drafts, both schemes' expected root acceptance on
         this very context (the same p and q: a paired comparison, free of sampling noise)."""
-        state.calls += 1
+        state.tree_steps += 1
         if len(path) > 1:
             state.kept_by_draft[draft.tree.children[0].index(path[1])] += 1
             state.kept_top += draft.tree.tokens[path[1]] == state.root_top
@@ -209,7 +209,7 @@ class SpecHub(DraftVerify):
 
         return {"verifier": self.cfg.verifier, "drafts": self.cfg.drafts,
                 "accepted_per_call": mean(steps),
-                "root_accept_rate": kept / state.calls if state.calls else float("nan"),
+                "root_accept_rate": kept / state.tree_steps if state.tree_steps else float("nan"),
                 "root_kept_by_draft": list(state.kept_by_draft),
                 "root_kept_top_share": state.kept_top / kept if kept else float("nan"),
                 # Sampling with 2 drafts: P(a root draft is kept) under each scheme, from the step's p and q.

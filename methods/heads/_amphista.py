@@ -156,7 +156,5 @@ class CountedAmphistaHeads(Counted):
 
     def __call__(self, staged: torch.Tensor) -> torch.Tensor:
         positions = staged.shape[:-2].numel()
-        self.calls += 1
-        self.tokens += positions
-        self.flops += positions * self.per_position
+        self._count(1, positions, 0, flops=positions * self.per_position)
         return self.module(staged)

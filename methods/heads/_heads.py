@@ -154,9 +154,7 @@ class CountedHeads(CountedModule):
         if self.module.kind == "medusa":
             return super().__call__(hidden)
         rows = hidden.shape[:-1].numel()
-        self.calls += 1
-        self.tokens += rows
-        self.flops += 2.0 * self.module.head_weights(path_emb.shape[-2] - 1) * rows
+        self._count(1, rows, 0, flops=2.0 * self.module.head_weights(path_emb.shape[-2] - 1) * rows)
         return self.module(hidden, path_emb)
 
 

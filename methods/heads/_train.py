@@ -118,7 +118,8 @@ def train_heads(target, tokenizer, kind: str, recipe: HeadsRecipe, teacher: Teac
     heads.init_from(target)
     teacher_head = None
     adversarial = recipe.adversarial
-    adversary = Adversary(len(vocab_map), AdversaryRecipe.model_validate(jsonable(adversarial)), device) if adversarial else None
+    adversary = (Adversary(len(vocab_map), AdversaryRecipe.model_validate(jsonable(adversarial)), device)
+                 if adversarial else None)
     if recipe.loss == "teacher" or adversary is not None:  # the target's own output rows over the heads' vocabulary, frozen
         teacher_head = nn.Linear(target.config.hidden_size, len(vocab_map), bias=False).to(device).requires_grad_(False)
         teacher_head.weight.data.copy_(target.get_output_embeddings().weight.data[vocab_map.to(device)])
