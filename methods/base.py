@@ -209,6 +209,7 @@ class PromptState:
         self.drafted: list[int] = []
         self.done = False
         self.prompt_hidden: torch.Tensor | None = None  # (prompt_len, hidden) for methods with hidden = True
+        self.prompt_logits: torch.Tensor | None = None  # (prompt_len, vocab) for methods with prompt_logits = True
         # Contexts the prompt opens (a hook on a model) and the decode closes when it ends, by an error too.
         self.closing = ExitStack()
 
@@ -261,11 +262,14 @@ class DraftVerify(Method):
     a method with state of its own declares it as ``class State(PromptState)`` with annotated fields, sets them in
     :meth:`start` and reads them in the other hooks.
 
+    Set ``prompt_logits = True`` to get the prefill's logits at every prompt position
+    (:attr:`PromptState.prompt_logits`; the output head then runs on all of them, and is counted so).
     Set ``hidden = True`` to get the target's last hidden states: at the prefill (:attr:`PromptState.prompt_hidden`)
     and for the accepted path (the ``hidden`` argument of :meth:`accepted`).
     """
 
     hidden: bool = False
+    prompt_logits: bool = False
     State: type[PromptState] = PromptState  # one prompt's state; a method with its own subclasses it
 
     def start(self, state: PromptState) -> None:
@@ -299,9 +303,11 @@ class DraftVerify(Method):
     def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> DecodeOutput:
         state = self.State(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens)
         with state.closing:  # what the prompt holds (a hook on a model) is let go however the decode ends
-            # The prefill: the whole prompt in one forward; only the last position needs logits.
-            out = self.pair.target(prompt_ids, state.cache, logits_to_keep=1, output_hidden_states=self.hidden)
+            # The prefill: the whole prompt in one forward; only the last position needs logits (unless asked).
+            out = self.pair.target(prompt_ids, state.cache, logits_to_keep=0 if self.prompt_logits else 1,
+                                   output_hidden_states=self.hidden)
             state.prompt_hidden = out.hidden_states[-1][0] if self.hidden else None
+            state.prompt_logits = out.logits[0] if self.prompt_logits else None
             self.start(state)
             state.commit([int(next_token(out.logits[0, -1], sampling, generator))], drafted=None)
             while not state.done:
