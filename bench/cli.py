@@ -41,7 +41,7 @@ def register_configs() -> None:
 
     from bench.validate import RunSettings
     from methods.registry import get_method, known_methods
-    from training.teacher import RECIPES
+    from training.recipes import RECIPES
 
     store = ConfigStore.instance()
     for name in ["settings", *(f"recipe/{r}" for r in RECIPES), *known_methods()]:
@@ -255,7 +255,7 @@ def methods_arg(args: list[str]) -> tuple[list[str] | None, list[str]]:
 
 def train_store(args: list[str]) -> int:
     """``train store [tokens=N] [recipe=NAME] [recipe.store.KEY=V ...] [overrides]``: build (or grow, or resume)
-    the pair's teacher stores under the recipe (``training/teacher.py``): the train split to ``recipe.tokens``
+    the pair's teacher stores under the recipe (``training/store.py``): the train split to ``recipe.tokens``
     and the held-out split to ``recipe.eval_tokens``; prints what they hold and what labelling cost."""
     from bench.models import load_pair
     from bench.validate import validate

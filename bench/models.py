@@ -24,7 +24,8 @@ from core.errors import BenchError
 from core.pair import Pair
 from core.schema import Settings, as_config, check
 from training.distill import DistillRecipe, draft_artifact, draft_report
-from training.teacher import RECIPES, RecipeSettings, Teacher
+from training.recipes import RECIPES, RecipeSettings
+from training.teacher import Teacher
 
 log = logging.getLogger(__name__)
 

@@ -143,7 +143,7 @@ def run_key(method_cfg: dict, cfg: DictConfig, prompt_id: str, trained: bool = F
         "seed": int(cfg.seed),
     }
     if trained and cfg.get("recipe") is not None:  # absent otherwise: older run keys stay valid
-        from training.teacher import store_key
+        from training.recipes import store_key
 
         recipe = OmegaConf.to_container(cfg.recipe, resolve=True)
         if recipe.get("store") is not None:  # as the store's own keys see it

@@ -2,7 +2,7 @@
 
 Each node is validated against its declaration (:class:`RunSettings` here: the top level; ``Method.Config``:
 the method and the baseline; ``bench.models.PairSettings``: the pair; ``bench.data``: the dataset's source;
-``training.teacher.RecipeSettings``: the training recipe and its teacher store), then the files the config names are read far enough to know they are
+``training.recipes.RecipeSettings``: the training recipe and its teacher store), then the files the config names are read far enough to know they are
 usable. The first problem is one sentence
 (:class:`core.errors.BenchError`) naming the key, the value and what is allowed.
 """
@@ -22,7 +22,7 @@ from core import files, model_parts
 from core.errors import BenchError
 from core.schema import Settings, as_config, check
 from methods.registry import get_method
-from training.teacher import RecipeSettings
+from training.recipes import RecipeSettings
 
 GROUPS = ("method", "pair", "dataset", "recipe")  # the config groups (bench.cli reads them from here)
 DEFAULT_MAX_NEW_TOKENS = 128  # when neither the command line nor the dataset sets a budget

@@ -79,8 +79,10 @@ from training.kit import (
     sub_index,
     trained_part,
 )
+from training.kv_store import kv_layer
 from training.loop import TrainRecipe
-from training.teacher import Teacher, kv_layer, tokenizer_key
+from training.store import tokenizer_key
+from training.teacher import Teacher
 
 BLOCK_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 

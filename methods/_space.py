@@ -45,7 +45,8 @@ from core.artifacts import (
 from decoding.cache import truncate_cache
 from training.kit import budget, fit_and_measure, fp32_eval, part_artifact, part_epochs, part_key, trained_part
 from training.loop import TrainRecipe
-from training.teacher import Teacher, TeacherStore, tokenizer_key
+from training.store import TeacherStore, tokenizer_key
+from training.teacher import Teacher
 
 FIELDS = ("ids", "mask", "idx", "prob")  # what training reads of the store (no hidden states)
 

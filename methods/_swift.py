@@ -206,7 +206,7 @@ def load_or_build_skip_set(pair, settings, n_layers: int, build_if_missing: bool
 
     from core.artifacts import Artifact, load_or_build, model_fingerprint
     from core.corpus import instruction_prompts
-    from training.teacher import target_answers
+    from training.labelling import target_answers
 
     target = pair.target
     keys = ("skip_ratio", "context_window", "bayes_interval", "max_iters", "patience", "target_score", "calibration",

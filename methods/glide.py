@@ -48,7 +48,7 @@ from methods._glide_draft import (
 )
 from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
-from training.teacher import kv_layer
+from training.kv_store import kv_layer
 
 
 class GlideSettings(MethodSettings):

@@ -56,7 +56,7 @@ def load_or_build_model_db(pair, settings, build_if_missing: bool) -> list[list[
     under ``cache/ngram/`` keyed by the target's weights and ``settings``; generated once when missing."""
     from core.artifacts import Artifact, load_or_build, model_fingerprint
     from core.corpus import instruction_prompts
-    from training.teacher import target_answers
+    from training.labelling import target_answers
 
     target = pair.target.module
 

@@ -41,7 +41,7 @@ from bench.validate import validate  # noqa: E402
 from core.corpus import instruction_prompts  # noqa: E402
 from core.errors import BenchError  # noqa: E402
 from training import kit  # noqa: E402
-from training.teacher import target_answers  # noqa: E402
+from training.labelling import target_answers  # noqa: E402
 
 
 def prompt_sets(n: int) -> dict[str, list[str]]:

@@ -51,7 +51,7 @@ from core import metrics  # noqa: E402
 from core.corpus import corpus, instruction_prompts  # noqa: E402
 from core.errors import BenchError  # noqa: E402
 from training.distill import draft_from_target  # noqa: E402
-from training.teacher import target_answers, token_chunks  # noqa: E402
+from training.labelling import target_answers, token_chunks  # noqa: E402
 
 
 @torch.no_grad()

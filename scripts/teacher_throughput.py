@@ -5,10 +5,10 @@
 Measured under the harness clock (device synchronised before every read) on the pair's target (default:
 SmolLM2-135M-Instruct, fp32, unpacked as the trainers read it):
 
-- ``answers``: the target's greedy answers to ``--prompts`` packaged instructions (``training.teacher.
+- ``answers``: the target's greedy answers to ``--prompts`` packaged instructions (``training.labelling.
   target_answers``, what the store's answer shards run) one prompt at a time and ``--batch`` at a time: new
   tokens per second, and the ratio.
-- ``teacher_forced``: ``training.teacher.teacher_pass`` over ``--seqs`` rows of ``recipe.store.seq_len`` packaged
+- ``teacher_forced``: ``training.labelling.teacher_pass`` over ``--seqs`` rows of ``recipe.store.seq_len`` packaged
   tokens with the last hidden states kept (what the store's text shards run): tokens per second.
 
 Prints one JSON object (with the settings and the machine's thread count).
@@ -31,7 +31,7 @@ from bench.models import load_pair  # noqa: E402
 from bench.runner import clocked  # noqa: E402
 from bench.validate import validate  # noqa: E402
 from core.corpus import corpus, instruction_prompts  # noqa: E402
-from training.teacher import target_answers, teacher_pass, token_chunks  # noqa: E402
+from training.labelling import target_answers, teacher_pass, token_chunks  # noqa: E402
 
 
 def answer_rate(pair, prompts: list[str], batch: int, new_tokens: int) -> dict:

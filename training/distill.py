@@ -39,7 +39,8 @@ from training.kit import (
     trained_part,
 )
 from training.loop import TrainRecipe
-from training.teacher import Teacher, tokenizer_key
+from training.store import tokenizer_key
+from training.teacher import Teacher
 
 log = logging.getLogger(__name__)
 

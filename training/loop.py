@@ -1,5 +1,5 @@
 """The one small training loop every trained part runs (AdamW, a progress bar), and the settings every trainer
-has. How many teacher tokens a part reads is the run's recipe (:class:`training.teacher.RecipeSettings`); how many
+has. How many teacher tokens a part reads is the run's recipe (:class:`training.recipes.RecipeSettings`); how many
 passes it makes over them under each recipe, the part declares itself (``TrainRecipe.EPOCHS``)."""
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ def test_answer_agreement_counts_answer_tokens_only(tmp_path, cache_dir, tiny_pa
     script end to end writes one row per prompt set."""
     import importlib.util
 
-    from training.teacher import target_answers
+    from training.labelling import target_answers
 
     spec = importlib.util.spec_from_file_location("answer_agreement", ROOT / "scripts" / "answer_agreement.py")
     module = importlib.util.module_from_spec(spec)

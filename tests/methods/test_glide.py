@@ -20,8 +20,9 @@ from tests.helpers import (
     prompts_for,
     run,
 )
-from training import teacher
-from training.teacher import RECIPES, Teacher
+from training import kv_store
+from training.recipes import RECIPES
+from training.teacher import Teacher
 
 
 @pytest.fixture()
@@ -34,13 +35,13 @@ def pair(tiny_pair):
 def kv_builds(monkeypatch):
     """Counts the target's teacher-forced K/V passes (one per shard built)."""
     calls = {"n": 0}
-    real = teacher.target_kv
+    real = kv_store.target_kv
 
     def target_kv(*args, **kwargs):
         calls["n"] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(teacher, "target_kv", target_kv)
+    monkeypatch.setattr(kv_store, "target_kv", target_kv)
     return calls
 
 

@@ -15,7 +15,8 @@ from decoding.tree import score_tree
 from methods._space import group_logits, row_cache, train_space
 from methods.space import MASK, Space, layout
 from tests.helpers import assert_greedy_equal_to_ar, build, prompts_for, run
-from training.teacher import RECIPES, Teacher
+from training.recipes import RECIPES
+from training.teacher import Teacher
 
 
 @pytest.fixture()

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from core.errors import BenchError
-from training import teacher
-from training.teacher import StoreSettings, load_or_grow_store, shard_kinds
+from training import store as teacher_store
+from training.recipes import StoreSettings
+from training.store import load_or_grow_store, shard_kinds
 
 SMALL = dict(seq_len=32, shard_sequences=4, answers=1 / 3, answer_tokens=8, answer_batch=4, corpus="lee", topk=5,
              batch_size=4)
@@ -26,7 +27,7 @@ def grow(pair, shards: int, cache, split="train", build=True, **over):
 def counted_labels(monkeypatch):
     """Counts labelling calls (one per shard built); ``fail_at`` makes that call raise, as a kill would."""
     calls = {"n": 0, "fail_at": None}
-    real = teacher.label
+    real = teacher_store.label
 
     def label(target, ids, s):
         calls["n"] += 1
@@ -34,7 +35,7 @@ def counted_labels(monkeypatch):
             raise KeyboardInterrupt("killed")
         return real(target, ids, s)
 
-    monkeypatch.setattr(teacher, "label", label)
+    monkeypatch.setattr(teacher_store, "label", label)
     return calls
 
 
@@ -55,11 +56,11 @@ def test_shards_hold_the_targets_own_outputs(tiny_pair, tmp_path):
     assert (rows["prob"][..., :-1] >= rows["prob"][..., 1:]).all()  # top-k in order
     assert torch.allclose(rows["hidden"][m], out.hidden_states[-1][m], atol=2e-2, rtol=1e-2)
     # Text shards are the corpus stream in order; answer rows end in the target's greedy continuation.
-    stream = teacher._Sources(tok, store.settings, "train").stream
+    stream = teacher_store._Sources(tok, store.settings, "train").stream
     assert rows["ids"][:8].flatten().tolist() == stream[: 8 * 32]
     assert rows["mask"][:8].all()  # text has no padding
-    src = teacher._Sources(tok, store.settings, "train")
-    answers = teacher.target_answers(target, tok, src.prompts[:4], 4, 8, "answers")
+    src = teacher_store._Sources(tok, store.settings, "train")
+    answers = teacher_store.target_answers(target, tok, src.prompts[:4], 4, 8, "answers")
     assert not rows["answer"][:8].any()  # text: no position is followed by an answer token
     for ids, mask, on, (prompt, answer, _, _) in zip(rows["ids"][8:], rows["mask"][8:], rows["answer"][8:], answers):
         n = int(mask.sum())
@@ -162,8 +163,8 @@ def test_every_trainer_reads_the_store_and_labels_nothing_itself(compose_cfg, tm
     def no_labelling(*args, **kwargs):
         raise AssertionError("a trainer labelled text itself instead of reading the store")
 
-    monkeypatch.setattr(teacher, "teacher_pass", no_labelling)
-    monkeypatch.setattr(teacher, "target_answers", no_labelling)
+    monkeypatch.setattr(teacher_store, "teacher_pass", no_labelling)
+    monkeypatch.setattr(teacher_store, "target_answers", no_labelling)
     pair = trained_pair(cfg)  # distils the draft from the store
     reports = {"draft": pair.draft.module is not None}
     for name in ("medusa", "hydra", "hydra_pp", "amphista", "sprinter", "eagle", "glide"):
@@ -234,7 +235,7 @@ def test_the_default_instructions_leave_run_keys_and_recipe_labels_as_they_were(
     from bench.results import run_key
     from bench.validate import validate
     from core.artifacts import content_key
-    from training.teacher import RecipeSettings
+    from training.recipes import RecipeSettings
 
     cfg = validate(compose_cfg("method=medusa"))
     before = OmegaConf.to_container(cfg, resolve=True)

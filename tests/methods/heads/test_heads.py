@@ -19,7 +19,8 @@ HEAD_METHODS = ["medusa", "hydra", "hydra_pp"]
 
 def smoke(cache):
     """The smoke recipe's teacher, its stores and trained parts under ``cache``."""
-    from training.teacher import RECIPES, Teacher
+    from training.recipes import RECIPES
+    from training.teacher import Teacher
 
     return Teacher(RECIPES["smoke"], cache)
 
