@@ -18,6 +18,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from bench.models import switch_sources
 from bench.validate import GROUPS
 from core.errors import BenchError
 
@@ -93,6 +94,7 @@ def _hydra_run(cfg: DictConfig) -> None:
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
+        switch_sources(cfg, list(HydraConfig.get().overrides.task))  # as compose() does for the checks before
         run(cfg, run_dir)
     except BenchError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -109,8 +111,12 @@ def run_main(args: list[str]) -> int:
     if all(a in MULTIRUN for a in args if a.startswith("-")):  # --cfg, --help, --info ...: Hydra answers those
         from bench.validate import validate
 
+        added = set()  # keys composed as +key (a switched model's new keys): Hydra's own composition needs them so
         for job in sweep_jobs(overrides) if any(a in MULTIRUN for a in args) else [overrides]:
-            validate(compose(job))
+            cfg, used = composed(job)
+            validate(cfg)
+            added |= {a[1:].partition("=")[0] for a in used if a.startswith("+") and not a.startswith("++")}
+        args = [f"+{a}" if a.partition("=")[0] in added else a for a in args]
     register_configs()  # Hydra's own composition (with --cfg, --info ... too) reads the stored settings
     sys.argv = ["python -m bench run", *args]
     _hydra_run()
@@ -162,8 +168,14 @@ def compose(args: list[str], hydra: bool = False) -> DictConfig:
     ``hydra=True`` keeps the ``hydra`` node (launcher, sweeper, directories).
 
     ``key=value`` for a key the config does not have is composed as ``+key=value``, so the schema's check
-    answers it, naming the keys that node has (Hydra alone would only say the key is not in struct).
+    answers it, naming the keys that node has (Hydra alone would only say the key is not in struct): a model's
+    new source's keys (``pair.drafts.0.id`` for a draft switched to ``source=hub``) are added so too.
     """
+    return composed(args, hydra)[0]
+
+
+def composed(args: list[str], hydra: bool = False) -> tuple[DictConfig, list[str]]:
+    """:func:`compose`, and the overrides as composed (``+`` before each key the config did not have)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import ConfigCompositionException, HydraException
@@ -176,7 +188,9 @@ def compose(args: list[str], hydra: bool = False) -> DictConfig:
     while True:
         try:
             with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-                return hydra_compose(config_name="config", overrides=args, return_hydra_config=hydra)
+                cfg = hydra_compose(config_name="config", overrides=args, return_hydra_config=hydra)
+            switch_sources(cfg, args)
+            return cfg, args
         except ConfigCompositionException as err:
             key = re.sub(r"\[(\d+)\]", r".\1", getattr(err.__cause__, "full_key", None) or "")  # drafts[0] -> drafts.0
             unknown = [i for i, a in enumerate(args) if key and a.partition("=")[0] == key]

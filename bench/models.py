@@ -10,11 +10,12 @@ import importlib.util
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from pydantic import Field, field_validator
 
 from core import files
@@ -119,6 +120,30 @@ class PairSettings(Settings):
         description="the model whose output every lossless method reproduces")
     drafts: list[Annotated[HubModel | RandomModel | DistilledDraft, Field(discriminator="source")]] = Field(
         default_factory=list, description="draft models, largest first")
+
+
+# Each model node's settings class by its source: what keys a node of that source takes.
+SOURCES = {cls.model_fields["source"].default: cls for cls in (HubModel, PackagedModel, RandomModel, DistilledDraft)}
+SOURCE_OVERRIDE = re.compile(r"^\+?(pair\.(?:target|drafts\.\d+))\.source=(.*)$")
+
+
+def switch_sources(cfg: DictConfig, overrides: list[str]) -> None:
+    """Where the command line sets a model's source (``pair.target.source=hub``, ``pair.drafts.0.source=hub``),
+    drop the keys the pair file gave that model for its old source and the new one does not take (the packaged
+    target's ``package``, a distilled draft's ``recipe``), so a user's own model is named by its new source's keys
+    alone. Keys typed on the command line stay, and are checked as usual. ``cfg`` is changed in place."""
+    typed = {o.lstrip("+~").partition("=")[0] for o in overrides}
+    for override in overrides:
+        match = SOURCE_OVERRIDE.match(override)
+        if not match or match.group(2) not in SOURCES:
+            continue  # an unknown source is the schema's to refuse, naming the known ones
+        node = OmegaConf.select(cfg, match.group(1))
+        if not isinstance(node, DictConfig):
+            continue
+        takes = SOURCES[match.group(2)].model_fields
+        with open_dict(node):
+            for key in [k for k in node if k not in takes and f"{match.group(1)}.{k}" not in typed]:
+                del node[key]
 
 
 def resolve_device(name: str) -> torch.device:

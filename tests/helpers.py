@@ -167,3 +167,15 @@ def trained_pair(cfg, n_drafts=None):
 
     train_drafts(cfg, n_drafts)
     return load_pair(cfg, n_drafts=n_drafts)
+
+
+def local_folder(path, family, **config):
+    """A random ``family`` model with the byte-level tokenizer saved as a local folder (a user's own model)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bench.models import byte_tokenizer
+
+    tok = byte_tokenizer()
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(family, vocab_size=len(tok), **config)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)

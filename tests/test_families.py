@@ -28,6 +28,7 @@ from methods.registry import get_method, known_methods
 from tests.helpers import (
     assert_greedy_equal_to_ar,
     build,
+    local_folder,
     noisy_copy,
     prompts_for,
     run,
@@ -173,18 +174,6 @@ def test_bad_family_settings_are_one_sentence(args, needle, capsys, tmp_path):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
     assert not (tmp_path / "run").exists()
-
-
-def local_folder(path, family, **config):
-    """A random ``family`` model with the byte-level tokenizer saved as a local folder (a user's own model)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from bench.models import byte_tokenizer
-
-    tok = byte_tokenizer()
-    AutoModelForCausalLM.from_config(AutoConfig.for_model(family, vocab_size=len(tok), **config)).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
 
 
 UNREADABLE = {  # families whose layout core.model_parts does not know: OPT (model.decoder.layers), Mamba (no attention)

@@ -94,3 +94,28 @@ def test_train_all_methods_trains_only_those(cache_dir, capsys):
     assert main(["train", "all", "methods=medusa,nope", "pair=tiny", f"cache_dir={cache_dir}"]) == 2
     err = capsys.readouterr().err
     assert "unknown: nope; known:" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_users_own_models_replace_the_pairs_from_the_command_line(tmp_path, cache_dir):
+    """On the default pair (a packaged target, a distilled draft): switching a model's source drops the pair file's
+    keys of the old source (package, file; recipe) and the run decodes the user's folders; a key the user types
+    that the new source does not take is still refused."""
+    from tests.helpers import local_folder
+
+    sizes = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
+    target = local_folder(tmp_path / "target", "llama", num_hidden_layers=2, **sizes)
+    draft = local_folder(tmp_path / "draft", "llama", num_hidden_layers=1, **sizes)
+    out = tmp_path / "run"
+    res = bench("run", "method=sd", "pair.name=mine", "pair.target.source=hub", f"pair.target.id={target}",
+                "pair.drafts.0.source=hub", f"pair.drafts.0.id={draft}", "max_new_tokens=8", "dataset.n_prompts=2",
+                f"hydra.run.dir={out}", cache_dir=cache_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert {r["pair"] for r in records} == {"mine"} and all(r["matches_baseline"] for r in records if r["method"] == "sd")
+    config = json.loads((out / "run.json").read_text())["config"]["pair"]
+    assert config["target"] == {"source": "hub", "id": target} and config["drafts"] == [{"source": "hub", "id": draft}]
+
+    res = bench("run", "pair.target.source=hub", f"pair.target.id={target}", "pair.target.package=x",
+                f"hydra.run.dir={tmp_path / 'bad'}", cache_dir=cache_dir)
+    assert res.returncode == 2 and "unknown key pair.target.package; pair.target has: source, id." in res.stderr
+    assert not (tmp_path / "bad").exists()
