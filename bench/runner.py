@@ -156,6 +156,7 @@ def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float, samp
     """One prompt's record from one timed decode (``c``: the run's measured draft/target cost ratio)."""
     decoded = run["decoded"]
     new = len(decoded.output_ids)
+    text = pair.tokenizer.decode(decoded.output_ids, skip_special_tokens=True)
     rec = {
         "method": method.name,
         "lossless": method.is_lossless(sampling),
@@ -173,9 +174,12 @@ def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float, samp
         "recipe": pair.teacher.recipe.label if type(method).trains(pair.spec) else None,
         "prompt_ids": prompt_ids,
         "output_ids": decoded.output_ids,
-        "output_text": pair.tokenizer.decode(decoded.output_ids, skip_special_tokens=True),
+        "output_text": text,
         "reference": prompt.reference,
         "new_tokens": new,
+        # The answer's length as Spec-Bench's speed.py counts a baseline's: its text tokenized again, less one (the
+        # BOS a Llama tokenizer adds; a tokenizer that adds none loses a real token, as there).
+        "specbench_tokens": len(pair.tokenizer(text).input_ids) - 1,
         "accept_lengths": decoded.accept_lengths,
         "drafted": decoded.drafted,
         # P(draft token i accepted | tokens before it accepted and i proposed), i = 0, 1, ...; [] without drafts.

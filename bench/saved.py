@@ -32,7 +32,7 @@ def find_record_files(paths: list[str]) -> list[Path]:
 
 def load(paths: list[str], baseline: str | None = None) -> tuple[pd.DataFrame, list[dict]]:
     """One row per record (with ``run_dir``, ``baseline``, flattened ``flops_total``, ``q_<metric>`` quality
-    columns and the paired ``speedup``, ``base_wall_s``, ``base_new_tokens``), and the provenance
+    columns and the paired ``speedup``, ``base_wall_s``, ``base_new_tokens``, ``base_specbench_tokens``), and the provenance
     (``run.json``) of every run directory that has one. Files are checked as they are read
     (:mod:`core.files`): an empty, foreign or damaged records file, or a run.json that is not JSON, is an error.
 
@@ -102,10 +102,11 @@ def named_settings(method: str) -> list[str]:
 
 
 def baseline_measurements(df: pd.DataFrame) -> pd.DataFrame:
-    """Per record: ``base_wall_s`` and ``base_new_tokens`` of its run's baseline record for the same prompt,
-    pair, dataset, sampling settings, budget and seed in the same run directory (NaN when there is none)."""
+    """Per record: ``base_wall_s``, ``base_new_tokens`` and ``base_specbench_tokens`` of its run's baseline record
+    for the same prompt, pair, dataset, sampling settings, budget and seed in the same run directory (NaN when
+    there is none, or when the baseline's records predate the field)."""
     keys = [k for k in PAIR_KEYS if k in df]
-    base = df[df["is_baseline"]].drop_duplicates(keys)[keys + ["wall_s", "new_tokens"]]
+    measured = ["wall_s", "new_tokens", "specbench_tokens"]
+    base = df[df["is_baseline"]].drop_duplicates(keys).reindex(columns=keys + measured)
     merged = df[keys].astype(str).merge(base.astype({k: str for k in keys}), on=keys, how="left")
-    return pd.DataFrame({"base_wall_s": merged["wall_s"].to_numpy(dtype=float),
-                         "base_new_tokens": merged["new_tokens"].to_numpy(dtype=float)}, index=df.index)
+    return pd.DataFrame({f"base_{m}": merged[m].to_numpy(dtype=float) for m in measured}, index=df.index)

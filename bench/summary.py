@@ -24,12 +24,12 @@ from core.files import RECORDS
 # Columns of the summary table, in order (quality columns q_<name> follow; csv files hold them all).
 COLUMNS = ["label", "method", "pair", "dataset", "category", "prompts", "new_tokens", "wall_s", "ttft_s",
            "tokens_per_s", "ms_per_token", "speedup_median", "speedup_lo", "speedup_hi", "speedup_q25",
-           "speedup_q75", "speedup_pooled", "mean_accepted", "alpha", "accept_by_position", "mean_drafted",
+           "speedup_q75", "speedup_pooled", "speedup_specbench", "mean_accepted", "alpha", "accept_by_position", "mean_drafted",
            "cost_ratio_c", "analytic_speedup", "target_calls_per_token", "gflops_per_token", "matches_baseline",
            "tie_flips", "mismatches"]
 # What people read (printed, md, tex, HTML): speedup_median carries its interval, speedup_iqr the spread.
 DISPLAY = ["label", "pair", "dataset", "category", "prompts", "new_tokens", "tokens_per_s", "speedup_median",
-           "speedup_iqr", "speedup_pooled", "mean_accepted", "alpha", "accept_by_position", "analytic_speedup",
+           "speedup_iqr", "speedup_pooled", "speedup_specbench", "mean_accepted", "alpha", "accept_by_position", "analytic_speedup",
            "target_calls_per_token", "gflops_per_token", "ttft_s", "matches_baseline", "tie_flips", "mismatches"]
 DISPLAY_QUALITY = ["token_agreement", "rougeL_vs_baseline", "exact_match", "rougeL_vs_reference", "perplexity",
                    "perplexity_baseline", "attribution"]
@@ -78,6 +78,17 @@ def analytic_speedup(method: str, alpha: float, gamma: float, c: float) -> float
         return math.nan
 
 
+def specbench_speedup(paired: pd.DataFrame) -> float:
+    """Spec-Bench's speedup (``evaluation/speed.py``), from the paired records: the mean over prompts of the
+    method's new tokens / wall time, over the mean over the same prompts of the baseline's; the baseline's tokens
+    counted as that script counts them, its answer text tokenized again less one (``specbench_tokens``). NaN when
+    the baseline's records predate that field (imported answers carry none)."""
+    if paired.empty or "base_specbench_tokens" not in paired or paired["base_specbench_tokens"].isna().any():
+        return math.nan
+    return metrics.ratio((paired["new_tokens"] / paired["wall_s"]).mean(),
+                         (paired["base_specbench_tokens"] / paired["base_wall_s"]).mean())
+
+
 def summary_row(g: pd.DataFrame, level: float) -> dict:
     """The aggregates of one group of records (one method setting on one pair and dataset)."""
     acc, dr = steps(g)
@@ -105,9 +116,10 @@ def summary_row(g: pd.DataFrame, level: float) -> dict:
         "speedup_hi": hi,
         "speedup_q25": metrics.quantile(g["speedup"], 0.25),  # spread of the per-prompt speedups across prompts
         "speedup_q75": metrics.quantile(g["speedup"], 0.75),
-        # Spec-Bench's figure: tokens per second over all paired prompts pooled, over the baseline's on the same prompts.
+        # tokens per second over all paired prompts pooled, over the baseline's on the same prompts
         "speedup_pooled": metrics.ratio(metrics.ratio(paired["new_tokens"].sum(), paired["wall_s"].sum()),
                                         metrics.ratio(paired["base_new_tokens"].sum(), paired["base_wall_s"].sum())),
+        "speedup_specbench": specbench_speedup(paired),  # Spec-Bench's speed.py: a ratio of mean tokens per second
         # tokens committed per target call after prefill (every record's, imported ones without `drafted` too)
         "mean_accepted": metrics.ratio(sum(all_acc), len(all_acc)),
         "alpha": alpha,  # per-token acceptance, MLE under Leviathan et al.'s i.i.d. model
@@ -191,7 +203,8 @@ def legend(level: float = 0.95) -> str:
     eps = ", ".join(f"{v:g} in {k}" for k, v in metrics.TIE_EPS.items())
     return (f"speedup_median: median over prompts of the per-prompt paired speedup [{level:.0%} bootstrap interval]; "
             "speedup_iqr: its 25th-75th percentiles across prompts; speedup_pooled: total tokens / total seconds "
-            "over the same prompts, over the baseline's; tie_flips: greedy prompts that part from the baseline where "
+            "over the same prompts, over the baseline's; speedup_specbench: Spec-Bench's speed.py, mean tokens/s over "
+            "mean baseline tokens/s (its answers re-tokenized); tie_flips: greedy prompts that part from the baseline where "
             f"the target's top-1 - top-2 logit < ε ({eps}), mismatches: the other greedy prompts that part from it")
 
 

@@ -72,3 +72,24 @@ def test_an_unknown_baseline_names_the_files(run_dir, tmp_path, capsys):
     assert main(["import-specbench", str(answers), "--baseline", "vanilla"]) == 2
     err = capsys.readouterr().err
     assert "no answer file vanilla.jsonl" in err and "(there are: tiny-ar, tiny-sd)" in err, err
+
+
+def test_speedup_specbench_is_what_spec_benchs_speed_py_computes_from_the_exported_answers(run_dir, tmp_path,
+                                                                                           tiny_pair):
+    """Spec-Bench's evaluation/speed.py, step by step on the answer files the export writes: per question the
+    method's sum(new_tokens) / sum(wall_time), the baseline's answer text tokenized again less one over its
+    wall time; the ratio of the two means. The summary's speedup_specbench must be that number (and it is
+    neither the median nor the pooled figure, which a test that cannot tell them apart would not show)."""
+    import numpy as np
+
+    answers = tmp_path / "answers"
+    assert main(["export-specbench", str(run_dir), "--out", str(answers)]) == 0
+    rows = {name: [json.loads(line) for line in (answers / f"tiny-{name}.jsonl").read_text().splitlines()]
+            for name in ("sd", "ar")}
+    speeds = [sum(r["choices"][0]["new_tokens"]) / sum(r["choices"][0]["wall_time"]) for r in rows["sd"]]
+    base = [sum(len(tiny_pair.tokenizer(t).input_ids) - 1 for t in r["choices"][0]["turns"])
+            / sum(r["choices"][0]["wall_time"]) for r in rows["ar"]]
+    theirs = np.array(speeds).mean() / np.array(base).mean()
+    mine = run_summary(run_dir).set_index("method").loc["sd"]
+    assert mine["speedup_specbench"] == pytest.approx(theirs, rel=1e-9)
+    assert mine["speedup_specbench"] != pytest.approx(mine["speedup_pooled"], rel=1e-6)
