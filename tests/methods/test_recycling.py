@@ -79,7 +79,8 @@ def test_each_prompt_starts_from_an_empty_matrix_unless_carried(tiny_pair):
 
 @pytest.mark.parametrize("settings, message", [
     ({"tree": "9.9.9"}, "tree '9.9.9' is not a known template"),
-    ({"topk": 4}, "uses rank 7 but the matrix keeps only topk=4"),
+    ({"topk": 4, "tree": "2.2.2"}, "uses rank 7 but the matrix keeps only topk=4"),
+    ({"topk": 1}, "uses rank 1 but the matrix keeps only topk=1"),
     ({"tree": [[0], [0, 5]], "topk": 5}, "uses rank 5 but the matrix keeps only topk=5"),
 ])
 def test_bad_settings_are_one_sentence(settings, message):
