@@ -53,7 +53,7 @@ TEMPLATES = {"2.2.2": TEMPLATE_2_2_2, "cpu-4": TEMPLATE_CPU_4}
 @register("recycling")
 class Recycling(DraftVerify):
     lossless = True
-    label_settings = ("carry",)  # a row always says whether the matrix was carried across prompts
+    label_settings = ("tree", "carry")  # a row always says which tree ran and whether the matrix was carried
 
     class Config(MethodSettings):
         topk: int = Field(8, ge=1, description="candidates kept per token: the adjacency matrix's columns (the "
