@@ -4,9 +4,9 @@ scores, which plain decoding throws away, are kept in an adjacency matrix ``M (v
 tokens the target last thought most likely after t. A static tree template of rank paths (the paper's 80-node
 "2.2.2", Spec-Bench's; here "cpu-4" by default, measured on a CPU) is filled breadth-first from the matrix (node
 ``(r1, ..., rd)`` holds ``M[token of its parent, rd]``), rooted at the pending token, and scored in ONE target
-forward; the shared tree
-verifier keeps the longest path the target agrees with. Then the row of every scored node's token is
-overwritten with that node's top-k from the same forward, accepted or not (the recycled "trash").
+forward; the shared tree verifier keeps the longest path the target agrees with. Then the row of every scored
+node's token is overwritten with that node's top-k from the same forward, accepted or not (the recycled
+"trash").
 
 The matrix starts empty (every row token 0, as the authors' code starts it). The paper carries it from one query
 to the next; here that would make a prompt's result depend on the prompts (and the warm-up) run before it, so
