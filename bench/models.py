@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from pydantic import Field, field_validator
 
 from core import files
-from core.artifacts import Artifact, file_sha256, load_or_build
+from core.artifacts import Artifact, file_sha256, load_or_build, problem
 from core.counting import CountedLM
 from core.errors import BenchError
 from core.pair import Pair
@@ -361,7 +361,9 @@ def train_drafts(cfg: DictConfig, n_drafts: int | None = None) -> list[dict]:
     device = resolve_device(cfg.device)
     reports = []
     for spec in specs:
-        load_or_build(draft_artifact(target, tokenizer, spec.recipe, teacher, device), cache)
+        art = draft_artifact(target, tokenizer, spec.recipe, teacher, device)
+        if problem(art.folder(cache)) is not None:  # missing or broken: built here; a complete one load_pair reads
+            load_or_build(art, cache)
         reports.append(draft_report(target, tokenizer, spec.recipe, teacher))
     return reports
 
