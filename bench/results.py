@@ -112,11 +112,15 @@ def legacy_epochs(recipe_name: str) -> dict[str, int]:
     return {f"{name}_epochs": PARTS[name].epochs_for({}, recipe_name) for name in LEGACY_PARTS}
 
 
+# Settings added after run keys were first made, whose null means "as before": dropped from keys when null, so
+# keys made before stay valid (epochs: issue 29; weights, the authors' published drafters: issue 30).
+ADDED_NULLS = frozenset({"epochs", "weights"})
+
+
 def _without_unset_epochs(node):
-    """``node`` without the ``epochs: null`` of trained parts' settings (added by issue 29: unset, a part trains as
-    before, so run keys made before stay valid)."""
+    """``node`` without the settings of :data:`ADDED_NULLS` that are null (unset, a part trains as before)."""
     if isinstance(node, dict):
-        return {k: _without_unset_epochs(v) for k, v in node.items() if not (k == "epochs" and v is None)}
+        return {k: _without_unset_epochs(v) for k, v in node.items() if not (k in ADDED_NULLS and v is None)}
     if isinstance(node, list):
         return [_without_unset_epochs(v) for v in node]
     return node

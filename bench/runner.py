@@ -133,7 +133,7 @@ def resume_plan(cfg: DictConfig, mcfgs: dict[str, DictConfig], run_dir: Path, pr
     ``resume`` set, the records of prompts whose every method already has a complete record in ``run_dir``
     (a prompt missing any of them is decoded again by all, so speedups stay paired within one process)."""
     settings = {name: OmegaConf.to_container(m, resolve=True) for name, m in mcfgs.items()}
-    trains = {name: get_method(name).trains(cfg.pair) for name in mcfgs}  # only those depend on the recipe
+    trains = {name: get_method(name).trains(cfg.pair, get_method(name).check_settings(m)) for name, m in mcfgs.items()}  # only those depend on the recipe
     keys = {p.prompt_id: {name: run_key(mc, cfg, p.prompt_id, trains[name]) for name, mc in settings.items()}
             for p in prompts}
     done = {}
@@ -171,7 +171,7 @@ def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float, samp
         "method_cfg": method.cfg.model_dump(mode="json"),
         # The training recipe behind the method's trained parts (draft, heads, verifier): its name, or
         # name~<hash> when its settings were overridden; None: nothing trained.
-        "recipe": pair.teacher.recipe.label if type(method).trains(pair.spec) else None,
+        "recipe": pair.teacher.recipe.label if type(method).trains(pair.spec, method.cfg) else None,
         "prompt_ids": prompt_ids,
         "output_ids": decoded.output_ids,
         "output_text": text,

@@ -82,16 +82,29 @@ class EagleRecipe(TrainRecipe):
 class EagleDraft(nn.Module):
     """``fc`` (2H -> H), a ``body`` of ``layers`` decoder layers (the target's class; its final norm included;
     EAGLE's is one, KOALA's K) and the frozen ``head`` (the target's output rows of ``vocab_map``,
-    ``LongTensor (V',)`` of full-vocabulary ids)."""
+    ``LongTensor (V',)`` of full-vocabulary ids).
 
-    def __init__(self, target_config, vocab_map: torch.Tensor, layers: int = 1):
+    ``published``: the authors' layer as their ``cnets.py`` builds it (their weights, ``method.weights``): the
+    ``body`` from their ``config.json`` (given as ``config``), no input norm in its first layer and no final norm,
+    ``fc`` with a bias or not as their config says, and a token embedding of its own (``embed``, the copy their
+    file holds) instead of the target's.
+    """
+
+    def __init__(self, target_config, vocab_map: torch.Tensor, layers: int = 1, config=None, bias: bool = True,
+                 published: bool = False):
         super().__init__()
         from transformers import AutoModel
 
         hidden = target_config.hidden_size
-        self.config = body_config(target_config, layers)
-        self.fc = nn.Linear(2 * hidden, hidden)
+        self.config = config if config is not None else body_config(target_config, layers)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=bias)
         self.body = AutoModel.from_config(self.config).float()
+        self.published = published
+        self.embed = None
+        if published:
+            self.body.layers[0].input_layernorm = nn.Identity()
+            self.body.norm = nn.Identity()
+            self.embed = nn.Embedding(target_config.vocab_size, hidden).requires_grad_(False)
         self.head = nn.Linear(hidden, vocab_map.numel(), bias=False).requires_grad_(False)
         self.register_buffer("vocab_map", vocab_map.long(), persistent=True)
 

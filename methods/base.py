@@ -110,10 +110,11 @@ class Method:
         """Load (or build, when missing) what the method needs beyond the pair: heads, verifier, tables."""
 
     @classmethod
-    def trains(cls, pair_spec) -> bool:
+    def trains(cls, pair_spec, settings=None) -> bool:
         """Whether the method runs anything trained under the run's recipe on a pair of ``pair_spec`` (a
         distilled draft; subclasses with heads or a verifier say so): its records then name the recipe, and
-        its run keys (resume) include it."""
+        its run keys (resume) include it. ``settings``: the method's checked settings, when known (a method
+        reading the authors' published weights trains nothing)."""
         return any(spec.source == "distilled" for spec in list(pair_spec.get("drafts") or [])[: cls.drafts])
 
     @classmethod

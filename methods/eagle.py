@@ -32,6 +32,7 @@ from decoding.cache import truncate_cache
 from decoding.sampling import draft_token
 from decoding.tree import Tree, additive_mask
 from methods._eagle_draft import CountedEagle, EagleRecipe, load_or_train_eagle
+from methods._eagle_published import load_published_eagle
 from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
 from training.kit import check_store_keeps_hidden
@@ -48,6 +49,9 @@ class EagleSettings(MethodSettings):
     top_k: int = Field(4, ge=1, description="tree: nodes expanded per depth and children per node (the paper: 10)")
     gamma: int = Field(3, ge=1, description="chain: tokens drafted per target call")
     recipe: EagleRecipe = Field(default_factory=EagleRecipe, description="how the draft layer is trained")
+    weights: str | None = Field(None, description="the authors' published draft layer (EAGLE-1/2): a hub id or a "
+                                "local folder in their layout (docs/published.md); null: the layer this harness "
+                                "trains (recipe)")
 
 
 @register("eagle")
@@ -62,19 +66,25 @@ class Eagle(DraftVerify):
         self.report: dict = {}
 
     @classmethod
-    def trains(cls, pair_spec) -> bool:
-        return True  # the draft layer
+    def trains(cls, pair_spec, settings=None) -> bool:
+        return not getattr(settings, "weights", None)  # the draft layer, unless the authors' is read
 
     @classmethod
     def check_recipe(cls, settings, recipe) -> None:
-        check_store_keeps_hidden(cls.name, recipe)
+        if not getattr(settings, "weights", None):
+            check_store_keeps_hidden(cls.name, recipe)
 
     def setup(self, train_if_missing: bool = True) -> None:
         target = self.pair.target.module
-        draft, self.report = load_or_train_eagle(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher,
-                                                 train_if_missing, self.name)
+        if getattr(self.cfg, "weights", None):
+            draft, self.report = load_published_eagle(self.cfg.weights, target, self.pair.cache)
+        else:
+            draft, self.report = load_or_train_eagle(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher,
+                                                     train_if_missing, self.name)
         self.draft = self.pair.add(CountedEagle(draft.to(device=self.pair.device, dtype=self.pair.dtype)))
-        self.embed = target.get_input_embeddings()
+        # The authors' layer carries its own copy of the token embedding; the harness's reads the target's.
+        own = self.draft.module.embed
+        self.embed = own if own is not None else target.get_input_embeddings()
         self.vocab_map = self.draft.module.vocab_map
 
     # ------------------------------------------------------------------------------------------- the loop

@@ -83,7 +83,7 @@ class Glide(DraftVerify):
         self.report: dict = {}
 
     @classmethod
-    def trains(cls, pair_spec) -> bool:
+    def trains(cls, pair_spec, settings=None) -> bool:
         return True  # the draft
 
     @classmethod

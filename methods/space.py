@@ -108,7 +108,7 @@ class Space(DraftVerify):
         self.report: dict = {}
 
     @classmethod
-    def trains(cls, pair_spec) -> bool:
+    def trains(cls, pair_spec, settings=None) -> bool:
         return True  # the mask embeddings
 
     @classmethod

@@ -101,7 +101,7 @@ class Sprinter(DraftVerify):
         return tokens, q, "budget"  # limit == 0: nothing drafted
 
     @classmethod
-    def trains(cls, pair_spec) -> bool:
+    def trains(cls, pair_spec, settings=None) -> bool:
         return True  # the verifier
 
     def start(self, state: State) -> None:

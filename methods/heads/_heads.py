@@ -68,33 +68,45 @@ class HeadsRecipe(TrainRecipe):
 
 
 class ResBlock(nn.Module):
-    """``x + SiLU(W x')`` where ``x'`` is ``x`` or ``x`` with extra features concatenated; ``W`` starts at 0."""
+    """``x + SiLU(W x')`` where ``x'`` is ``x`` or ``x`` with extra features concatenated; ``W`` starts at 0.
 
-    def __init__(self, hidden: int, in_features: int | None = None):
+    ``res_proj``: the residual is a learned projection of ``x'`` instead of ``x``, ``R x' + SiLU(W x')`` (the
+    first block of a published Hydra head, whose input is wider than its output; read, never trained here).
+    """
+
+    def __init__(self, hidden: int, in_features: int | None = None, res_proj: bool = False):
         super().__init__()
         self.linear = nn.Linear(in_features or hidden, hidden)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
+        self.res_connection = nn.Linear(in_features or hidden, hidden) if res_proj else None
 
     def forward(self, x: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
-        return x + nn.functional.silu(self.linear(x if features is None else features))
+        x_in = x if features is None else features
+        residual = x if self.res_connection is None else self.res_connection(x_in)
+        return residual + nn.functional.silu(self.linear(x_in))
 
 
 class Heads(nn.Module):
     """K draft heads over a reduced vocabulary ``vocab_map`` (``LongTensor (V',)`` of full-vocabulary ids), each
     ``layers`` residual blocks deep (the first reads the head's input features) and a projection."""
 
-    def __init__(self, kind: str, hidden: int, num_heads: int, vocab_map: torch.Tensor, layers: int = 1):
+    def __init__(self, kind: str, hidden: int, num_heads: int, vocab_map: torch.Tensor, layers: int = 1,
+                 published: bool = False):
         super().__init__()
         self.kind = kind
         self.num_heads = num_heads
         self.layers = layers
+        # Hydra's published heads (``published``, kind hydra) differ from those trained here in two places: the
+        # first block's residual is a learned projection of its wide input, and each output layer has a bias.
+        self.published = published
+        res_proj = published and kind == "hydra"
         # Hydra head k reads h and the k + 1 path embeddings: (k + 2) * hidden input features.
         width = [(k + 2) * hidden if kind == "hydra" else hidden for k in range(num_heads)]
-        self.blocks = nn.ModuleList(ResBlock(hidden, w) for w in width)
+        self.blocks = nn.ModuleList(ResBlock(hidden, w, res_proj) for w in width)
         # Hydra++'s deeper heads: more blocks of x + SiLU(W x) after the first (each starts as the identity).
         self.deeper = nn.ModuleList(nn.Sequential(*(ResBlock(hidden) for _ in range(layers - 1))) for _ in width)
-        self.proj = nn.ModuleList(nn.Linear(hidden, vocab_map.numel(), bias=False) for _ in range(num_heads))
+        self.proj = nn.ModuleList(nn.Linear(hidden, vocab_map.numel(), bias=res_proj) for _ in range(num_heads))
         self.register_buffer("vocab_map", vocab_map.long(), persistent=True)
 
     def head(self, k: int, hidden: torch.Tensor, path_emb: torch.Tensor | None = None) -> torch.Tensor:
@@ -143,7 +155,9 @@ class Heads(nn.Module):
     def head_weights(self, k: int) -> int:
         """Matmul weights of head k alone (for FLOPs)."""
         deeper = sum(b.linear.weight.numel() for b in self.deeper[k])
-        return self.blocks[k].linear.weight.numel() + deeper + self.proj[k].weight.numel()
+        first = self.blocks[k]
+        res = first.res_connection.weight.numel() if first.res_connection is not None else 0
+        return first.linear.weight.numel() + res + deeper + self.proj[k].weight.numel()
 
 
 class CountedHeads(CountedModule):
@@ -165,15 +179,18 @@ class PrefixLayer(nn.Module):
     target's final norm), fed the target's last hidden states as input embeddings; ``gamma (hidden,)`` starts
     at zero, so an untrained layer passes the target's hidden state through and the heads start exactly where
     Hydra's do. :meth:`from_target` initialises ``L`` from the target's last layer and final norm.
+
+    ``residual=False``: ``L(hidden)`` alone, as the authors' layer is (their published Hydra++ weights; the
+    residual with ``gamma`` is this harness's start for training from a small teacher budget).
     """
 
-    def __init__(self, target_config):
+    def __init__(self, target_config, residual: bool = True):
         super().__init__()
         from transformers import AutoModel
 
         self.config = body_config(target_config)
         self.body = AutoModel.from_config(self.config).float()
-        self.gamma = nn.Parameter(torch.zeros(self.config.hidden_size))
+        self.gamma = nn.Parameter(torch.zeros(self.config.hidden_size)) if residual else None
 
     @classmethod
     def from_target(cls, target) -> PrefixLayer:
@@ -188,6 +205,8 @@ class PrefixLayer(nn.Module):
         extended in place (``None`` when the whole sequence is given at once, as in training).
         """
         out = self.body(inputs_embeds=hidden, cache=cache, use_cache=cache is not None)
+        if self.gamma is None:
+            return out.last_hidden_state
         return hidden + self.gamma * out.last_hidden_state
 
 

@@ -31,6 +31,7 @@ from decoding.sampling import Sampling, probs_from_logits, sample
 from decoding.tree import Tree
 from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.heads._heads import KINDS, CountedHeads, CountedPrefix, HeadsRecipe
+from methods.heads._published import load_published_heads
 from methods.heads._train import load_or_train_heads
 from training.kit import check_store_keeps_hidden
 
@@ -41,15 +42,26 @@ DEFAULT_TREE = [[0], [1], [2], [3],
                 [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 0, 2],
                 [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [0, 1, 0, 0]]
 
+# Medusa's published tree ``mc_sim_7b_63`` (the authors' ``medusa_choices.py``; Hydra's and Spec-Bench's runs of
+# both use it too): 63 rank paths + the root = 64 tokens per target call, depth 4, for Vicuna-7B on a GPU.
+MC_SIM_7B_63 = [
+    [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0], [0, 5], [0, 0, 1],
+    [5], [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8], [0, 0, 2], [3, 0], [0, 9], [8], [9], [1, 0, 0],
+    [0, 2, 0], [1, 2], [0, 0, 3], [4, 0], [2, 1], [0, 0, 4], [0, 0, 5], [0, 0, 0, 0], [0, 1, 1], [0, 0, 6],
+    [0, 3, 0], [5, 0], [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9], [6, 0], [0, 4, 0], [1, 4], [7, 0], [0, 1, 2],
+    [2, 0, 0], [3, 1], [2, 2], [8, 0], [0, 5, 0], [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0], [0, 0, 0, 1],
+    [1, 6], [0, 7, 0]]
+TREES = {"default": DEFAULT_TREE, "mc_sim_7b_63": MC_SIM_7B_63}
+
 
 class TreeHeadsSettings(MethodSettings):
     """Settings of Medusa, Hydra and Hydra++ (``method.*``)."""
 
-    tree: list[list[NonNegativeInt]] = Field(
+    tree: str | list[list[NonNegativeInt]] = Field(
         default_factory=lambda: [list(p) for p in DEFAULT_TREE], min_length=1,
         description="candidate tree as rank paths: [r1, ..., rd] = the r_d-th best proposal of head d-1 under "
         "the path [r1 .. r_{d-1}]; the root (the target's own next token) is implicit; every path's prefix "
-        "must be listed too")
+        "must be listed too; or a name: mc_sim_7b_63 (the papers' 64-token GPU tree), default (20 tokens)")
     typical: bool = Field(False, description="Medusa's typical acceptance when temperature > 0: LOSSY "
                           "(records say so)")
     posterior_threshold: float = Field(0.09, gt=0, le=1, description="typical acceptance: epsilon, a hard floor "
@@ -58,17 +70,33 @@ class TreeHeadsSettings(MethodSettings):
                                    "exp(-entropy of the target's distribution)")
     recipe: HeadsRecipe = Field(default_factory=HeadsRecipe, description="how the heads are trained")
 
+    @property
+    def paths(self) -> list[list[int]]:
+        """The tree's rank paths (a name looked up in :data:`TREES`)."""
+        return TREES[self.tree] if isinstance(self.tree, str) else self.tree
+
     @model_validator(mode="after")
     def tree_fits_heads(self):
-        """Every path's prefix is listed, and the tree is no deeper than there are heads."""
+        """A known name, every path's prefix listed, and the tree no deeper than there are heads (published
+        heads: checked against the file when it is read)."""
+        if isinstance(self.tree, str) and self.tree not in TREES:
+            raise ValueError(f"tree '{self.tree}' is not a known tree ({', '.join(TREES)}); give rank paths or one of "
+                             "those names.")
         try:
-            depth = Tree.from_paths(self.tree).max_depth
+            depth = Tree.from_paths(self.paths).max_depth
         except BenchError as err:
             raise ValueError(str(err)) from None
-        if depth > self.recipe.num_heads:
+        if depth > self.recipe.num_heads and not getattr(self, "weights", None):
             raise ValueError(f"tree is {depth} deep but there are only {self.recipe.num_heads} heads "
                              "(recipe.num_heads).")
         return self
+
+
+class PublishedHeadsSettings(TreeHeadsSettings):
+    """Settings of the heads methods whose authors published weights (Medusa, Hydra, Hydra++)."""
+
+    weights: str | None = Field(None, description="the authors' published heads: a hub id or a local folder in "
+                                "their layout (docs/published.md); null: the heads this harness trains (recipe)")
 
 
 def typical_path(tree: Tree, logits: torch.Tensor, sampling: Sampling, generator, threshold: float,
@@ -104,18 +132,20 @@ class TreeHeadsMethod(DraftVerify):
 
     def __init__(self, cfg, pair):
         super().__init__(cfg, pair)
-        self.shape = Tree.from_paths(self.cfg.tree)
+        self.shape = Tree.from_paths(self.cfg.paths)
         self.shapes = {d: self.shape.prune(d) for d in range(self.shape.max_depth + 1)}  # pruned near the budget
         self.report: dict = {}
         self.heads: CountedHeads | None = None
         self.prefix: CountedPrefix | None = None
 
     @classmethod
-    def trains(cls, pair_spec) -> bool:
-        return True  # the heads
+    def trains(cls, pair_spec, settings=None) -> bool:
+        return not getattr(settings, "weights", None)  # the heads, unless the authors' are read
 
     @classmethod
     def check_recipe(cls, settings, recipe) -> None:
+        if getattr(settings, "weights", None):
+            return  # published heads: nothing is trained, the store is never read
         check_store_keeps_hidden(cls.name, recipe)
         K = settings.recipe.num_heads
         if recipe.store.seq_len <= K + 1:
@@ -130,8 +160,15 @@ class TreeHeadsMethod(DraftVerify):
         if self.kind not in KINDS:
             raise BenchError(f"unknown heads kind '{self.kind}'; use one of {', '.join(KINDS)}.")
         target = self.pair.target.module
-        heads, prefix, self.report = load_or_train_heads(target, self.pair.tokenizer, self.kind, self.cfg.recipe,
-                                                         self.pair.teacher, train_if_missing, method=self.name)
+        if getattr(self.cfg, "weights", None):
+            heads, prefix, self.report = load_published_heads(self.kind, self.name, self.cfg.weights, target,
+                                                              self.pair.spec.target.get("id"), self.pair.cache)
+            if heads.num_heads < self.shape.max_depth:
+                raise BenchError(f"method.tree is {self.shape.max_depth} deep but {self.cfg.weights} holds "
+                                 f"{heads.num_heads} heads; use a shallower tree.")
+        else:
+            heads, prefix, self.report = load_or_train_heads(target, self.pair.tokenizer, self.kind, self.cfg.recipe,
+                                                             self.pair.teacher, train_if_missing, method=self.name)
         if heads.num_heads < self.shape.max_depth or heads.blocks[0].linear.out_features != target.config.hidden_size:
             raise BenchError(f"the cached {self.kind} heads do not fit this target and tree; delete them to retrain.")
         self.add_roles(heads.to(device=self.pair.device, dtype=self.pair.dtype),

@@ -19,7 +19,7 @@ from pydantic import Field
 
 from decoding.tree import Tree
 from methods.heads._heads import HeadsRecipe
-from methods.heads._tree_heads import TreeHeadsMethod, TreeHeadsSettings
+from methods.heads._tree_heads import PublishedHeadsSettings, TreeHeadsMethod
 from methods.registry import register
 
 
@@ -39,6 +39,7 @@ def expansion_plan(tree: Tree) -> list[tuple[list[int], torch.Tensor, list[int],
 @register("hydra")
 class Hydra(TreeHeadsMethod):
     kind = "hydra"
+    Config = PublishedHeadsSettings
     lossless = True  # greedy, and sampling verified exactly; typical acceptance when sampling is not
 
     def fill(self, hidden, pending, shape: Tree) -> Tree:
@@ -60,7 +61,7 @@ class HydraPP(Hydra):
     """Hydra++: Hydra's heads and decoding; its recipe adds the teacher loss and the prefix layer, which the
     shared loop runs when the recipe has one."""
 
-    class Config(TreeHeadsSettings):
+    class Config(PublishedHeadsSettings):
         recipe: HeadsRecipe = Field(default_factory=lambda: HeadsRecipe(loss="teacher", prefix_layer=True, layers=4),
                                     description="how the heads are trained (Hydra++: four blocks per head, the "
                                     "teacher loss and the prefix layer)")

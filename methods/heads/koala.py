@@ -63,6 +63,14 @@ class KoalaSettings(MethodSettings):
                 data[base] = OmegaConf.to_container(OmegaConf.merge(default, given))
         return data
 
+    @model_validator(mode="after")
+    def trained_here(self):
+        """KOALA's heads are trained here: its authors published none, and EAGLE's weights are not KOALA's."""
+        if self.eagle.weights:
+            raise ValueError("KOALA trains its own draft (its authors published no weights); eagle.weights is for "
+                             "method=eagle.")
+        return self
+
 
 @register("koala")
 class Koala(Method):
@@ -80,7 +88,7 @@ class Koala(Method):
         self.base.name = f"koala method.base={self.cfg.base}"
 
     @classmethod
-    def trains(cls, pair_spec) -> bool:
+    def trains(cls, pair_spec, settings=None) -> bool:
         return True  # the K-layer head
 
     @classmethod

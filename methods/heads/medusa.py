@@ -2,7 +2,8 @@
 Heads"): K independent heads on the target's last hidden state; head k's top-k fill depth k + 1 of a sparse
 candidate tree, verified in one target forward (:mod:`methods.heads._tree_heads`).
 
-Heads are trained by the harness (:mod:`methods.heads._heads`, ``python -m bench train method method=medusa``).
+Heads are trained by the harness (:mod:`methods.heads._heads`, ``python -m bench train method method=medusa``), or
+the authors' published heads are read (``method.weights``, :mod:`methods.heads._published`).
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from __future__ import annotations
 import torch
 
 from decoding.tree import Tree
-from methods.heads._tree_heads import TreeHeadsMethod
+from methods.heads._tree_heads import PublishedHeadsSettings, TreeHeadsMethod
 from methods.registry import register
 
 
 @register("medusa")
 class Medusa(TreeHeadsMethod):
     kind = "medusa"
+    Config = PublishedHeadsSettings
     lossless = True  # greedy, and sampling verified exactly; typical acceptance when sampling is not
 
     def fill(self, hidden, pending, shape: Tree) -> Tree:

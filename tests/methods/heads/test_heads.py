@@ -166,9 +166,10 @@ def test_sampling_verifies_the_tree_and_typical_is_lossy(pair):
 @pytest.mark.parametrize("over, words", [
     ({"tree": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]]}, "only 4 heads"),
     ({"tree": [[0], [1, 0]]}, "no parent"),
-    ({"tree": [[0], [-1]]}, r"method.tree.1.0=-1 is not allowed"),
+    ({"tree": [[0], [-1]]}, r"method.tree=\[\[0\], \[-1\]\] is not allowed; it takes a non-empty string or a list of lists of integers >= 0"),
+    ({"tree": "mc_sim_7b_64"}, r"tree .mc_sim_7b_64. is not a known tree \(default, mc_sim_7b_63\)"),
     ({"tree": []}, r"method.tree=\[\] is not allowed"),
-    ({"tree": "wide"}, "list of lists"),
+    ({"tree": "wide"}, "tree .wide. is not a known tree"),
     ({"recipe": {"loss": "mse"}}, "recipe.loss"),
     ({"recipe": {"num_heads": 0}}, "num_heads"),
     ({"recipe": {"prefix_layer": "yes"}}, "prefix_layer"),
