@@ -11,7 +11,7 @@ from training.distill import draft_from_target
 
 
 def test_hub_pair_loads_from_local_folders(tiny_pair, compose_cfg, tmp_path):
-    """The code users run with `pair=gpt2` / `pair=vicuna`, pointed at folders saved here."""
+    """The code users run with `pair=gpt2` / `pair=vicuna7b`, pointed at folders saved here."""
     tiny_pair.target.module.save_pretrained(tmp_path / "target")
     tiny_pair.tokenizer.save_pretrained(tmp_path / "target")
     tiny_pair.draft.module.save_pretrained(tmp_path / "draft")
