@@ -25,9 +25,10 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, NonNegativeInt, model_validator
 from transformers import DynamicCache
 
+from core.errors import BenchError
 from decoding.cache import truncate_cache
 from decoding.sampling import draft_token
 from decoding.tree import Tree, additive_mask
@@ -38,20 +39,48 @@ from methods.registry import register
 from training.kit import check_store_keeps_hidden
 
 
+# EAGLE-1's published static tree (its authors' ``choices.py``, named mc_sim_7b_63 there like Medusa's other
+# tree): 25 rank paths + the root, depth 5.
+EAGLE1_TREE = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0], [0, 0, 0],
+               [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0], [0, 0, 0, 0],
+               [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1]]
+STATIC_TREES = {"eagle1": EAGLE1_TREE}
+
+
 class EagleSettings(MethodSettings):
     """EAGLE-2's settings (``method.*``)."""
 
-    draft: Literal["tree", "chain"] = Field("tree", description="tree: EAGLE-2's dynamic draft tree; chain: "
-                                            "gamma tokens, no tree")
+    draft: Literal["tree", "chain", "static"] = Field("tree", description="tree: EAGLE-2's dynamic draft tree; "
+                                                      "chain: gamma tokens, no tree; static: EAGLE-1's static tree "
+                                                      "(static_tree)")
     total_tokens: int = Field(6, ge=2, description="tree: tokens the target scores per call, the pending one "
                               "included (the paper: 60 on a GPU)")
     depth: int = Field(4, ge=1, description="tree: the deepest draft token (the paper: 6)")
     top_k: int = Field(4, ge=1, description="tree: nodes expanded per depth and children per node (the paper: 10)")
     gamma: int = Field(3, ge=1, description="chain: tokens drafted per target call")
+    static_tree: str | list[list[NonNegativeInt]] = Field(
+        "eagle1", min_length=1, description="static: the tree as rank paths ([r1, ..., rd] = the r_d-th best draft "
+        "token under the path [r1 .. r_{d-1}]; every prefix listed), or eagle1: EAGLE-1's published 26-token tree")
     recipe: EagleRecipe = Field(default_factory=EagleRecipe, description="how the draft layer is trained")
     weights: str | None = Field(None, description="the authors' published draft layer (EAGLE-1/2): a hub id or a "
                                 "local folder in their layout (docs/published.md); null: the layer this harness "
                                 "trains (recipe)")
+
+
+    @model_validator(mode="after")
+    def known_static_tree(self):
+        if isinstance(self.static_tree, str) and self.static_tree not in STATIC_TREES:
+            raise ValueError(f"static_tree '{self.static_tree}' is not a known tree ({', '.join(STATIC_TREES)}); give "
+                             "rank paths for another")
+        try:
+            Tree.from_paths(self.static_paths)
+        except BenchError as err:
+            raise ValueError(str(err)) from None
+        return self
+
+    @property
+    def static_paths(self) -> list[list[int]]:
+        return STATIC_TREES[self.static_tree] if isinstance(self.static_tree, str) else self.static_tree
 
 
 @register("eagle")
@@ -64,6 +93,7 @@ class Eagle(DraftVerify):
         super().__init__(cfg, pair)
         self.draft: CountedEagle | None = None
         self.report: dict = {}
+        self.static = Tree.from_paths(self.cfg.static_paths)  # draft: static's shape
 
     @classmethod
     def trains(cls, pair_spec, settings=None) -> bool:
@@ -117,12 +147,15 @@ class Eagle(DraftVerify):
         return out[0, -1], logits[0, -1]
 
     def propose(self, state: State) -> Draft:
-        depth = min(self.cfg.gamma if self.cfg.draft == "chain" else self.cfg.depth, state.draft_budget)
+        deepest = {"chain": self.cfg.gamma, "tree": self.cfg.depth, "static": self.static.max_depth}[self.cfg.draft]
+        depth = min(deepest, state.draft_budget)
         if depth <= 0:
             return Draft(Tree(state.seq[-1]))
         feat, logits = self.read_committed(state)
         if self.cfg.draft == "chain":
             draft = self.chain(state, feat, logits, depth)
+        elif self.cfg.draft == "static":
+            draft = self.fill_static(state, feat, logits, depth)
         else:
             draft = self.tree(state, feat, logits, depth)
         state.nodes.append(len(draft.tree))
@@ -152,6 +185,40 @@ class Eagle(DraftVerify):
                 feat, logits = out[0, -1], logits[0, -1]
         return Draft.chain(state.seq[-1], torch.stack(tokens), torch.stack(qs) if qs else None)
 
+    def expand(self, state: State, tree: Tree, nodes: list[int], guessed: dict, fed: list[int]) -> torch.Tensor:
+        """One draft forward over tree ``nodes`` (each reads its parent's guessed feature and its own token, under
+        a tree mask over the committed positions and the nodes ``fed`` before); records their guessed features
+        in ``guessed`` and appends them to ``fed``. Returns their next-token logits ``(len(nodes), V')``."""
+        read = state.read  # the committed positions in the draft cache; the root's input is the last of them
+        mask = additive_mask(tree.ancestry()[nodes][:, fed + nodes], read, self.pair.dtype, state.device)
+        positions = torch.tensor([[read - 1 + tree.depth[v] for v in nodes]], device=state.device)
+        feats = torch.stack([guessed[tree.parent[v]] for v in nodes])[None]
+        tokens = torch.tensor([tree.tokens[v] for v in nodes], device=state.device)
+        out, logits = self.draft(feats, self.embed(tokens)[None], state.dcache, rows=len(nodes), attention_mask=mask,
+                                 position_ids=positions)
+        fed += nodes
+        guessed.update(zip(nodes, out[0]))
+        return logits[0]
+
+    def fill_static(self, state: State, feat: torch.Tensor, logits: torch.Tensor, depth: int) -> Draft:
+        """EAGLE-1's static tree (``static_tree``'s rank paths, ``depth`` deep at most) filled depth by depth, one
+        draft forward per depth over the nodes that have children (node [r1 .. rd] holds the r_d-th best draft
+        token after [r1 .. r_{d-1}])."""
+        tree, node_of = Tree(state.seq[-1]), {(): 0}
+        guessed, fed = {0: feat}, []
+        sub = {0: logits}  # the draft's next-token logits at each node that has children
+        for d in range(1, depth + 1):
+            paths = [tuple(p) for p in self.static.paths if len(p) == d]
+            parents = sorted({node_of[p[:-1]] for p in paths})
+            if d > 1:
+                sub.update(zip(parents, self.expand(state, tree, parents, guessed, fed)))
+            width = max(p[-1] for p in paths) + 1
+            top = {v: self.vocab_map[sub[v].topk(width).indices].tolist() for v in parents}
+            for p in paths:
+                parent = node_of[p[:-1]]
+                node_of[p] = tree.add_child(parent, top[parent][p[-1]], merge=False)
+        return Draft(tree)
+
     def tree(self, state: State, feat: torch.Tensor, logits: torch.Tensor, depth: int) -> Draft:
         """EAGLE-2's expand-and-rerank, ``depth`` levels deep at most (see the module doc)."""
         k = min(self.cfg.top_k, logits.shape[-1])
@@ -159,19 +226,11 @@ class Eagle(DraftVerify):
         score = [0.0]  # cumulative draft log-probability of each node's path
         guessed = {0: feat}  # the draft's guessed feature at each expanded node
         level = self.grow(tree, score, [0], torch.log_softmax(logits.float(), -1)[None], k)
-        read = state.read  # the committed positions in the draft cache; the root's input is the last of them
-        fed: list[int] = []  # tree nodes in the draft cache after them, in order
+        fed: list[int] = []  # tree nodes in the draft cache after the committed positions, in order
         for _ in range(depth - 1):
             expand = sorted(level, key=lambda v: -score[v])[:k]
-            mask = additive_mask(tree.ancestry()[expand][:, fed + expand], read, self.pair.dtype, state.device)
-            positions = torch.tensor([[read - 1 + tree.depth[v] for v in expand]], device=state.device)
-            feats = torch.stack([guessed[tree.parent[v]] for v in expand])[None]
-            tokens = torch.tensor([tree.tokens[v] for v in expand], device=state.device)
-            out, sub_logits = self.draft(feats, self.embed(tokens)[None], state.dcache, rows=len(expand),
-                                         attention_mask=mask, position_ids=positions)
-            fed += expand
-            guessed.update(zip(expand, out[0]))
-            level = self.grow(tree, score, expand, torch.log_softmax(sub_logits[0].float(), -1), k)
+            sub_logits = self.expand(state, tree, expand, guessed, fed)
+            level = self.grow(tree, score, expand, torch.log_softmax(sub_logits.float(), -1), k)
         # Rerank: the best total_tokens - 1 nodes by cumulative log-probability; ties go to the earlier node,
         # so a parent (never below its child) always comes first and the kept nodes form a tree.
         best = sorted(range(1, len(tree)), key=lambda v: (-score[v], v))[: self.cfg.total_tokens - 1]

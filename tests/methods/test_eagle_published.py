@@ -162,11 +162,12 @@ def one_layer(tiny_pair, tmp_path):
     return dataclasses.replace(tiny_pair, target=CountedLM(model, "target"), drafts=[], roles={}), folder
 
 
-def test_sampling_with_published_weights_follows_the_target(one_layer):
+@pytest.mark.parametrize("draft", ["tree", "static"])  # EAGLE-2's dynamic tree, EAGLE-1's static one
+def test_sampling_with_published_weights_follows_the_target(one_layer, draft):
     from tests.helpers import decode, repeating_prompt
 
     pair, folder = one_layer
-    method = build(pair, "eagle", weights=str(folder))
+    method = build(pair, "eagle", weights=str(folder), draft=draft)
     ids = repeating_prompt(pair)
     ids += decode(pair, "ar", ids, max_new=30).output_ids
     assert_greedy_equal_to_ar(method, [ids], max_new=24)
@@ -203,3 +204,33 @@ def test_koala_does_not_take_eagles_weights():
 
     with pytest.raises(BenchError, match="KOALA trains its own draft"):
         get_method("koala").check_settings({"eagle": {"weights": "/x"}})
+
+
+def test_eagle1s_static_tree_is_filled_from_the_drafts_ranks(one_layer):
+    """EAGLE-1's tree: 26 tokens scored per call, 5 deep, its first level the draft's own top 4 after the pending
+    token (as EAGLE-2's dynamic tree's first level, whose top_k children of the root are the same ranks)."""
+    from tests.helpers import repeating_prompt, run
+
+    pair, folder = one_layer
+    method = build(pair, "eagle", weights=str(folder), draft="static")
+    assert len(method.static) == 26 and method.static.max_depth == 5
+    out = run(method, repeating_prompt(pair), 12)
+    assert out.extra["tree_tokens_per_call"] == 26 and out.extra["draft"] == "static"
+    ids = repeating_prompt(pair)
+    dynamic = build(pair, "eagle", weights=str(folder), top_k=4, depth=1, total_tokens=5)
+    assert first_draft(method, ids).tree.tokens[1:5] == first_draft(dynamic, ids).tree.tokens[1:5]
+    with pytest.raises(BenchError, match="static_tree 'eagle9' is not a known tree"):
+        method.check_settings({"static_tree": "eagle9"})
+
+
+def first_draft(method, ids):
+    """The first proposal of a decode of ``ids``."""
+    from tests.helpers import run
+
+    drafts = []
+    method.propose = lambda state: drafts.append(type(method).propose(method, state)) or drafts[-1]
+    try:
+        run(method, ids, 3)
+    finally:
+        del method.propose
+    return drafts[0]

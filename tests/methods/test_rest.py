@@ -1,0 +1,115 @@
+"""REST: the suffix-array datastore, the draft trie, and the method on the tiny pair."""
+
+import dataclasses
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from core.errors import BenchError
+from decoding.suffix_array import continuations, draft_trie, match_range, suffix_array
+from methods.registry import get_method
+from tests.helpers import assert_greedy_equal_to_ar, build, prompts_for, repeating_prompt, run
+
+
+@pytest.mark.parametrize("vocab", [3, 70000])  # ids above 65,535 are kept (the authors' u16 file wraps them)
+def test_every_occurrence_of_a_pattern_is_found(vocab):
+    rng = np.random.default_rng(vocab)
+    tokens = rng.integers(vocab - 3, vocab, 400).astype(np.uint32)
+    sa = suffix_array(tokens)
+    assert sorted(sa.tolist()) == list(range(len(tokens)))
+    for n in (1, 2, 3, 5):
+        pattern = tokens[100 : 100 + n].tolist()
+        lo, hi = match_range(tokens, sa, pattern)
+        assert sorted(sa[lo:hi].tolist()) == [i for i in range(len(tokens)) if tokens[i : i + n].tolist() == pattern]
+    assert match_range(tokens, sa, [vocab + 1]) == (0, 0) or match_range(tokens, sa, [vocab + 1])[0] == \
+        match_range(tokens, sa, [vocab + 1])[1]
+
+
+def test_the_trie_keeps_the_most_frequent_prefixes():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 4, 3000).astype(np.uint32)
+    sa = suffix_array(tokens)
+    lo, hi = match_range(tokens, sa, [1, 2])
+    rows = continuations(tokens, sa, (lo, hi), 2, 5)
+    counts = Counter(tuple(r[:j]) for r in rows.tolist() for j in range(1, 6) if -1 not in r[:j])
+    for choices in (1, 7, 30):
+        nodes = draft_trie(rows, choices)
+        paths = []
+        for depth, parent, token in nodes:
+            paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+            assert len(paths[-1]) == depth
+        assert len(set(paths)) == len(paths) == choices
+        # Most frequent first (ties: shallower, then lexicographic): no left-out prefix counts more than a kept one.
+        floor = min(counts[p] for p in paths)
+        assert all(counts[p] <= floor for p in counts if p not in paths)
+
+
+def test_continuations_stop_at_the_datastores_end():
+    tokens = np.array([1, 2, 3, 1, 2], dtype=np.uint32)
+    sa = suffix_array(tokens)
+    rows = continuations(tokens, sa, match_range(tokens, sa, [1, 2]), 2, 3)
+    assert rows.tolist() == [[-1, -1, -1], [3, 1, 2]]  # the match at the end, then the one inside
+    assert draft_trie(rows, 5) == [(1, -1, 3), (2, 0, 1), (3, 1, 2)]
+
+
+@pytest.fixture()
+def pair(tiny_pair):
+    return dataclasses.replace(tiny_pair, roles={})
+
+
+@pytest.fixture()
+def looping_file(pair, tmp_path):
+    """A datastore holding the looping text (and ar's continuation of it): retrieval finds the loop."""
+    from tests.helpers import decode
+
+    ids = repeating_prompt(pair)
+    ids += decode(pair, "ar", ids, max_new=40).output_ids
+    path = tmp_path / "store.jsonl"
+    path.write_text(json.dumps({"text": pair.tokenizer.decode(ids)}) + "\n")
+    return path
+
+
+def test_rest_equals_ar_and_drafts_from_its_datastore(pair, looping_file):
+    method = build(pair, "rest", datastore=str(looping_file), choices=6)
+    ids = repeating_prompt(pair)
+    out = run(method, ids, 24)
+    assert out.extra["retrieved"] >= 0.5 and max(out.accept_lengths) > 1  # the loop is found and accepted
+    assert out.extra["tree_tokens_per_call"] <= 7
+    assert_greedy_equal_to_ar(method, [ids, *prompts_for(pair, 2)], max_new=24)
+    assert method.report["tokens"] > 0 and method.report["documents"] == 1
+
+
+def test_the_packaged_datastore_decodes_as_ar(pair):
+    method = build(pair, "rest")  # lee+wiki, as the registry walk runs it
+    assert method.report["documents"] > 300
+    assert_greedy_equal_to_ar(method, prompts_for(pair, 2), max_new=16)
+
+
+def test_a_changed_file_is_a_new_datastore(pair, looping_file):
+    first = build(pair, "rest", datastore=str(looping_file))
+    looping_file.write_text(json.dumps("another text entirely") + "\n")
+    second = build(pair, "rest", datastore=str(looping_file))
+    assert second.report["tokens"] != first.report["tokens"]
+
+
+@pytest.mark.parametrize("over, words", [
+    ({"min_span": 5, "max_span": 3}, "min_span (5) must not exceed max_span (3)"),
+    ({"datastore": "/nowhere/store.txt"}, "neither a packaged corpus (lee, wiki, lee+wiki) nor a file"),
+    ({"choices": 0}, "method.choices=0 is not allowed"),
+])
+def test_bad_settings_are_one_sentence(over, words):
+    with pytest.raises(BenchError) as err:
+        get_method("rest").check_settings(over)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_bad_datastore_file_is_one_sentence(pair, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "fine"}\n{"other": 1}\n')
+    with pytest.raises(BenchError, match=r"bad.jsonl, line 2, has no text"):
+        build(pair, "rest", datastore=str(path))
+    path.write_text("not json\n")
+    with pytest.raises(BenchError, match=r"line 1, is not JSON"):
+        build(pair, "rest", datastore=str(path))
