@@ -112,15 +112,17 @@ def legacy_epochs(recipe_name: str) -> dict[str, int]:
     return {f"{name}_epochs": PARTS[name].epochs_for({}, recipe_name) for name in LEGACY_PARTS}
 
 
-# Settings added after run keys were first made, whose null means "as before": dropped from keys when null, so
-# keys made before stay valid (epochs: issue 29; weights, the authors' published drafters: issue 30).
-ADDED_NULLS = frozenset({"epochs", "weights"})
+# Settings added after run keys were first made, with the default that means "as before": dropped from keys at
+# that default, so keys made before stay valid (epochs: issue 29; weights, the authors' published drafters, and
+# EAGLE-1's static tree, read only with draft=static: issue 30).
+ADDED_DEFAULTS = {"epochs": None, "weights": None, "static_tree": "eagle1"}
 
 
 def _without_unset_epochs(node):
-    """``node`` without the settings of :data:`ADDED_NULLS` that are null (unset, a part trains as before)."""
+    """``node`` without the settings of :data:`ADDED_DEFAULTS` at their default (a part trains as before)."""
     if isinstance(node, dict):
-        return {k: _without_unset_epochs(v) for k, v in node.items() if not (k in ADDED_NULLS and v is None)}
+        return {k: _without_unset_epochs(v) for k, v in node.items()
+                if not (k in ADDED_DEFAULTS and v == ADDED_DEFAULTS[k])}
     if isinstance(node, list):
         return [_without_unset_epochs(v) for v in node]
     return node
