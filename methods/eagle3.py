@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from core.errors import BenchError
 from methods._eagle3_draft import CountedEagle3, Eagle3Recipe, LayerTaps, feature_layers, load_or_train_eagle3
+from methods._eagle3_published import load_published_eagle3
 from methods.base import Draft
 from methods.eagle import Eagle, EagleSettings
 from methods.registry import register
@@ -40,8 +40,8 @@ class Eagle3Settings(EagleSettings):
     top_k: int = Field(4, ge=1, description="tree: nodes expanded per depth and children per node (Spec-Bench's "
                        "EAGLE-3: 10)")
     recipe: Eagle3Recipe = Field(default_factory=Eagle3Recipe, description="how the draft is trained")
-    weights: str | None = Field(None, description="a published EAGLE-3 draft: not read yet (its names are this "
-                                "draft's; method=eagle reads EAGLE-1/2's); null: the draft this harness trains")
+    weights: str | None = Field(None, description="the authors' published EAGLE-3 draft: a hub id or a local folder "
+                                "in their layout (docs/published.md); null: the draft this harness trains (recipe)")
 
 
 @register("eagle3")
@@ -54,17 +54,13 @@ class Eagle3(Eagle):
         super().__init__(cfg, pair)
         self.layers = feature_layers(pair.target.module.config.num_hidden_layers)
 
-    @classmethod
-    def check_pair(cls, settings, pair) -> None:
-        super().check_pair(settings, pair)
-        if settings.weights:
-            raise BenchError(f"method=eagle3 does not read published drafts yet (method.weights={settings.weights!r}); "
-                             "leave method.weights unset to train its own.")
-
     def setup(self, train_if_missing: bool = True) -> None:
         target = self.pair.target.module
-        draft, self.report = load_or_train_eagle3(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher,
-                                                  train_if_missing)
+        if self.cfg.weights:
+            draft, self.report = load_published_eagle3(self.cfg.weights, target, self.pair.cache)
+        else:
+            draft, self.report = load_or_train_eagle3(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher,
+                                                      train_if_missing)
         self.draft = self.pair.add(CountedEagle3(draft.to(device=self.pair.device, dtype=self.pair.dtype)))
         self.embed = target.get_input_embeddings()
         self.vocab_map = self.draft.module.vocab_map
