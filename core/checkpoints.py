@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import pickle
+from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 
 import torch
 
-from core.artifacts import file_sha256
+from core.artifacts import Artifact, file_sha256, load_or_build, model_fingerprint, report_of
 from core.errors import BenchError
 
 
@@ -154,3 +155,24 @@ class Checkpoint:
         """What a run records about the weights it used."""
         return {"weights": str(self.folder), "file": self.file.name, "sha256": self.sha256,
                 "tensors": len(self.tensors), "config": self.config}
+
+
+def load_converted(ck: Checkpoint, method: str, target, cache, convert: Callable[[], object],
+                   save: Callable[[object], dict], load: Callable[[dict], object]) -> tuple[object, dict]:
+    """The checkpoint ``ck`` converted for ``method`` once and cached (``cache_dir/published/<method>-<folder>/``),
+    keyed by the file's SHA-256 and the target's weights, so another file, or the same file for another target, is
+    converted and checked anew. ``convert()`` reads ``ck`` into the method's modules, ``save(made)`` is what the
+    cached file holds (read back with ``weights_only``), ``load(blob)`` rebuilds the modules from it. Returns them
+    and the build report (the folder, file, checksum and config read)."""
+    key = {"file": ck.file.name, "sha256": ck.sha256, "method": method, "target": model_fingerprint(target)}
+
+    def build(folder: Path) -> dict:
+        torch.save(save(convert()), folder / "converted.pt")
+        return ck.report()
+
+    def read(folder: Path):
+        return load(torch.load(folder / "converted.pt", map_location="cpu", weights_only=True))
+
+    art = Artifact("published", f"{method}-{ck.folder.name}", key, build, read,
+                   description=f"{ck.what} converted from {ck.file}")
+    return load_or_build(art, cache, True), report_of(art, cache)

@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from core.artifacts import Artifact, load_or_build, model_fingerprint, report_of
-from core.checkpoints import Checkpoint, locate
+from core.checkpoints import Checkpoint, load_converted, locate
 from core.errors import BenchError
 from methods._eagle3_draft import Eagle3Draft
-from training.kit import part_artifact
 
 FILES = ("pytorch_model.bin", "model.safetensors")
 WHAT = "EAGLE-3 draft"
@@ -72,17 +70,10 @@ def eagle3_draft(ck: Checkpoint, target) -> Eagle3Draft:
     return draft.eval()
 
 
-def published_eagle3_artifact(weights: str, target) -> Artifact:
-    """The published draft at ``weights``, converted once and cached (``cache_dir/published/``), keyed by the file's
-    SHA-256 and the target's weights."""
+def load_published_eagle3(weights: str, target, cache) -> tuple[Eagle3Draft, dict]:
+    """The published EAGLE-3 draft at ``weights`` (a folder or a hub id; converted and checked once, then cached),
+    on the CPU in fp32, and what was read (file, SHA-256, config)."""
     ck = Checkpoint(locate(weights, FILES), FILES, WHAT)
-    key = {"file": ck.file.name, "sha256": ck.sha256, "method": "eagle3", "target": model_fingerprint(target)}
-
-    def convert() -> tuple[Eagle3Draft, dict]:
-        return eagle3_draft(ck, target), ck.report()
-
-    def save(draft: Eagle3Draft) -> dict:
-        return {"state": draft.state_dict()}
 
     def load(blob: dict) -> Eagle3Draft:
         d2t = blob["state"]["d2t"]
@@ -90,12 +81,5 @@ def published_eagle3_artifact(weights: str, target) -> Artifact:
         draft.load_state_dict(blob["state"])
         return draft.eval()
 
-    return part_artifact("published", f"eagle3-{ck.folder.name}", key, convert, save, load, "eagle3.pt",
-                         trained_by=None, description=f"{WHAT} from {ck.file}")
-
-
-def load_published_eagle3(weights: str, target, cache) -> tuple[Eagle3Draft, dict]:
-    """The published EAGLE-3 draft at ``weights`` (a folder or a hub id; converted and checked once, then cached),
-    on the CPU in fp32, and what was read (file, SHA-256, config)."""
-    art = published_eagle3_artifact(weights, target)
-    return load_or_build(art, cache, True), report_of(art, cache)
+    return load_converted(ck, "eagle3", target, cache, lambda: eagle3_draft(ck, target),
+                          lambda draft: {"state": draft.state_dict()}, load)

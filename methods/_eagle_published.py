@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from core.artifacts import Artifact, load_or_build, model_fingerprint, report_of
-from core.checkpoints import Checkpoint, locate
+from core.checkpoints import Checkpoint, load_converted, locate
 from core.errors import BenchError
 from methods._eagle_draft import EagleDraft
-from training.kit import part_artifact
 
 FILES = ("pytorch_model.bin", "model.safetensors")
 WHAT = "EAGLE draft layer"
@@ -71,14 +69,10 @@ def eagle_layer(ck: Checkpoint, target) -> EagleDraft:
     return draft.eval()
 
 
-def published_eagle_artifact(weights: str, target) -> Artifact:
-    """The published layer at ``weights``, converted once and cached (``cache_dir/published/``), keyed by the file's
-    SHA-256 and the target's weights."""
+def load_published_eagle(weights: str, target, cache) -> tuple[EagleDraft, dict]:
+    """The published EAGLE layer at ``weights`` (a folder or a hub id; converted and checked once, then cached), on
+    the CPU in fp32, and what was read (file, SHA-256, config)."""
     ck = Checkpoint(locate(weights, FILES), FILES, WHAT)
-    key = {"file": ck.file.name, "sha256": ck.sha256, "method": "eagle", "target": model_fingerprint(target)}
-
-    def convert() -> tuple[EagleDraft, dict]:
-        return eagle_layer(ck, target), ck.report()
 
     def save(draft: EagleDraft) -> dict:
         return {"config": draft.config.to_dict(), "bias": draft.fc.bias is not None, "state": draft.state_dict()}
@@ -92,12 +86,4 @@ def published_eagle_artifact(weights: str, target) -> Artifact:
         draft.load_state_dict(blob["state"])
         return draft.eval()
 
-    return part_artifact("published", f"eagle-{ck.folder.name}", key, convert, save, load, "eagle.pt",
-                         trained_by=None, description=f"{WHAT} from {ck.file}")
-
-
-def load_published_eagle(weights: str, target, cache) -> tuple[EagleDraft, dict]:
-    """The published EAGLE layer at ``weights`` (a folder or a hub id; converted and checked once, then cached), on
-    the CPU in fp32, and what was read (file, SHA-256, config)."""
-    art = published_eagle_artifact(weights, target)
-    return load_or_build(art, cache, True), report_of(art, cache)
+    return load_converted(ck, "eagle", target, cache, lambda: eagle_layer(ck, target), save, load)

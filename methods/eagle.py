@@ -38,7 +38,6 @@ from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
 from training.kit import check_store_keeps_hidden
 
-
 # EAGLE-1's published static tree (its authors' ``choices.py``, named mc_sim_7b_63 there like Medusa's other
 # tree): 25 rank paths + the root, depth 5.
 EAGLE1_TREE = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0], [0, 0, 0],

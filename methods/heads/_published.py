@@ -30,11 +30,9 @@ import logging
 
 import torch
 
-from core.artifacts import Artifact, load_or_build, model_fingerprint, report_of
-from core.checkpoints import Checkpoint, locate
+from core.checkpoints import Checkpoint, load_converted, locate
 from core.errors import BenchError
 from methods.heads._heads import Heads, PrefixLayer
-from training.kit import part_artifact
 
 log = logging.getLogger(__name__)
 
@@ -147,25 +145,25 @@ def published_heads(kind: str, method: str, weights: str, target, target_id: str
     (whose hub id or folder is ``target_id``; ``None``: a model with no name): every tensor of the file used,
     none missing. Returns the heads, the prefix layer (Hydra++) and the checkpoint."""
     ck = read_checkpoint(kind, weights)
+    return (*heads_from(ck, kind, method, target, target_id), ck)
+
+
+def heads_from(ck: Checkpoint, kind: str, method: str, target, target_id: str | None
+               ) -> tuple[Heads, PrefixLayer | None]:
+    """:func:`published_heads` from a checkpoint already found."""
     ck.check_base(target_id)
     if kind == "medusa":
         heads, prefix = medusa_heads(ck, target.config), None
     else:
         heads, prefix = hydra_heads(ck, target, method)
     ck.finish()
-    return heads.eval(), (prefix.eval() if prefix is not None else None), ck
+    return heads.eval(), (prefix.eval() if prefix is not None else None)
 
 
-def published_artifact(kind: str, method: str, weights: str, target, target_id: str | None) -> Artifact:
-    """The published heads at ``weights``, converted once and cached like trained heads (``cache_dir/published/``),
-    keyed by the file's SHA-256 and the target's weights: another file, or the same file for another target,
-    is converted (and checked) anew."""
-    ck = read_checkpoint(kind, weights)
-    key = {"file": ck.file.name, "sha256": ck.sha256, "method": method, "target": model_fingerprint(target)}
-
-    def convert() -> tuple[tuple[Heads, PrefixLayer | None], dict]:
-        heads, prefix, checked = published_heads(kind, method, weights, target, target_id)
-        return (heads, prefix), checked.report()
+def load_published_heads(kind: str, method: str, weights: str, target, target_id: str | None, cache
+                         ) -> tuple[Heads, PrefixLayer | None, dict]:
+    """The published heads of ``method`` at ``weights`` (converted and checked once, then cached): the heads, the
+    prefix layer (Hydra++, else ``None``), both on the CPU in fp32, and what was read (file, SHA-256, config)."""
 
     def save(made) -> dict:
         heads, prefix = made
@@ -183,14 +181,7 @@ def published_artifact(kind: str, method: str, weights: str, target, target_id: 
             prefix.eval()
         return heads.eval(), prefix
 
-    return part_artifact("published", f"{method}-{ck.folder.name}", key, convert, save, load, "heads.pt",
-                         trained_by=None, description=f"{WHAT[kind]} from {ck.file}")
-
-
-def load_published_heads(kind: str, method: str, weights: str, target, target_id: str | None, cache
-                         ) -> tuple[Heads, PrefixLayer | None, dict]:
-    """The published heads of ``method`` at ``weights`` (converted and checked once, then cached): the heads, the
-    prefix layer (Hydra++, else ``None``), both on the CPU in fp32, and what was read (file, SHA-256, config)."""
-    art = published_artifact(kind, method, weights, target, target_id)
-    heads, prefix = load_or_build(art, cache, True)
-    return heads, prefix, report_of(art, cache)
+    ck = read_checkpoint(kind, weights)
+    convert = lambda: heads_from(ck, kind, method, target, target_id)  # noqa: E731 - read once, when not cached
+    (heads, prefix), report = load_converted(ck, method, target, cache, convert, save, load)
+    return heads, prefix, report
