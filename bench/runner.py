@@ -133,7 +133,8 @@ def resume_plan(cfg: DictConfig, mcfgs: dict[str, DictConfig], run_dir: Path, pr
     ``resume`` set, the records of prompts whose every method already has a complete record in ``run_dir``
     (a prompt missing any of them is decoded again by all, so speedups stay paired within one process)."""
     settings = {name: OmegaConf.to_container(m, resolve=True) for name, m in mcfgs.items()}
-    trains = {name: get_method(name).trains(cfg.pair, get_method(name).check_settings(m)) for name, m in mcfgs.items()}  # only those depend on the recipe
+    # Only the methods that run something trained under the recipe depend on it (published weights: none).
+    trains = {name: get_method(name).trains(cfg.pair, get_method(name).check_settings(m)) for name, m in mcfgs.items()}
     keys = {p.prompt_id: {name: run_key(mc, cfg, p.prompt_id, trains[name]) for name, mc in settings.items()}
             for p in prompts}
     done = {}

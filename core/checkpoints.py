@@ -133,7 +133,8 @@ class Checkpoint:
         """``config.json``'s ``name`` (``default`` when absent; a value of another type is one sentence)."""
         value = self.config.get(name, default)
         if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
-            raise BenchError(f"{self.folder / 'config.json'}: '{name}' is {value!r}, not a {getattr(kind, '__name__', kind)}.")
+            what = getattr(kind, "__name__", kind)
+            raise BenchError(f"{self.folder / 'config.json'}: '{name}' is {value!r}, not a {what}.")
         return value
 
     def check_base(self, target_name: str | None) -> None:

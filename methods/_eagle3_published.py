@@ -37,7 +37,8 @@ def draft_vocab(ck: Checkpoint, vocab: int) -> torch.Tensor:
         return torch.arange(vocab)
     vocab_map = torch.arange(size) + ck.take("d2t", (size,)).long()
     t2d = ck.take("t2d", (vocab,)).bool()
-    if vocab_map.min() < 0 or vocab_map.max() >= vocab or not torch.equal(t2d.nonzero().flatten(), vocab_map.sort().values):
+    inside = vocab_map.min() >= 0 and vocab_map.max() < vocab
+    if not inside or not torch.equal(t2d.nonzero().flatten(), vocab_map.sort().values):
         raise BenchError(f"{ck.file}: 'd2t' and 't2d' do not describe the same draft vocabulary within this target's "
                          f"{vocab} ids.")
     return vocab_map
@@ -51,8 +52,8 @@ def eagle3_draft(ck: Checkpoint, target) -> Eagle3Draft:
         raise BenchError(f"{ck.folder} has no config.json, which the {WHAT} is built from.")
     for name, want in (("hidden_size", H), ("vocab_size", V), ("target_hidden_size", H)):
         if ck.config.get(name, want) != want:
-            raise BenchError(f"{ck.folder / 'config.json'} says {name}: {ck.config[name]}, but this target's is {want}: "
-                             f"this {WHAT} was made for another model.")
+            raise BenchError(f"{ck.folder / 'config.json'} says {name}: {ck.config[name]}, but this target's is "
+                             f"{want}: this {WHAT} was made for another model.")
     draft = Eagle3Draft(config, draft_vocab(ck, V))
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         if name in ck.config and ck.config[name] != getattr(draft.config, name):

@@ -99,7 +99,6 @@ class Heads(nn.Module):
         self.layers = layers
         # Hydra's published heads (``published``, kind hydra) differ from those trained here in two places: the
         # first block's residual is a learned projection of its wide input, and each output layer has a bias.
-        self.published = published
         res_proj = published and kind == "hydra"
         # Hydra head k reads h and the k + 1 path embeddings: (k + 2) * hidden input features.
         width = [(k + 2) * hidden if kind == "hydra" else hidden for k in range(num_heads)]
