@@ -31,13 +31,14 @@ from pathlib import Path
 import numpy as np
 from pydantic import Field, model_validator
 
-from core.artifacts import Artifact, file_sha256, load_or_build, report_of, tokenizer_fingerprint
+from core.artifacts import Artifact, file_sha256, load_or_build, model_fingerprint, report_of, tokenizer_fingerprint
 from core.corpus import CORPORA, corpus
 from core.errors import BenchError
 from decoding.suffix_array import continuations, draft_trie, match_range, suffix_array
 from decoding.tree import Tree
 from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
+from training.kit import budget
 
 
 def file_documents(path: Path) -> list[str]:
@@ -72,18 +73,40 @@ def file_documents(path: Path) -> list[str]:
     return docs
 
 
-def datastore_artifact(source: str, tokenizer) -> Artifact:
-    """The datastore of ``source`` (a packaged corpus name or a file) for ``tokenizer``: ``tokens.npy`` (uint32)
-    and ``suffixes.npy`` (int64)."""
+ANSWERS = "answers"  # the target's own answers, from the run's teacher store
+
+
+def answer_ids(store) -> list[list[int]]:
+    """Each answers sequence of a teacher store (instruction and the target's greedy answer, as labelled), without
+    its padding."""
+    rows = [i for i in range(len(store)) if store.kind(i) == "answers"]
+    if not rows:
+        return []
+    data = store.rows(rows, ("ids", "mask"))
+    return [ids[mask].tolist() for ids, mask in zip(data["ids"], data["mask"])]
+
+
+def datastore_artifact(source: str, tokenizer, teacher=None, target=None) -> Artifact:
+    """The datastore of ``source`` (a packaged corpus name, ``answers``: the target's own answers in ``teacher``'s
+    store, or a file) for ``tokenizer``: ``tokens.npy`` (uint32) and ``suffixes.npy`` (int64)."""
     named = source in CORPORA
     path = Path(source).expanduser()
-    key = {"source": source} if named else {"file": path.name, "sha256": file_sha256(path) if path.is_file() else None}
+    if source == ANSWERS:
+        key = {"source": source, "target": model_fingerprint(target), "store": budget(teacher, 0)}
+    elif named:
+        key = {"source": source}
+    else:
+        key = {"file": path.name, "sha256": file_sha256(path) if path.is_file() else None}
     key["tokenizer"] = tokenizer_fingerprint(tokenizer)
 
     def build(folder: Path) -> dict:
-        docs = list(corpus(source)) if named else file_documents(path)
         start = time.perf_counter()
-        ids = tokenizer(docs, add_special_tokens=False)["input_ids"]
+        if source == ANSWERS:
+            ids = answer_ids(teacher.store(target, tokenizer, "train"))
+            docs = ids
+        else:
+            docs = list(corpus(source)) if named else file_documents(path)
+            ids = tokenizer(docs, add_special_tokens=False)["input_ids"]
         tokens = np.fromiter((t for doc in ids for t in doc), dtype=np.uint32)
         if len(tokens) < 2:
             raise BenchError(f"the datastore of {source} holds {len(tokens)} tokens; give a longer text.")
@@ -98,8 +121,9 @@ def datastore_artifact(source: str, tokenizer) -> Artifact:
     def load(folder: Path) -> tuple[np.ndarray, np.ndarray]:
         return np.load(folder / "tokens.npy", mmap_mode="r"), np.load(folder / "suffixes.npy", mmap_mode="r")
 
-    name = source if named else path.stem
+    name = source if named or source == ANSWERS else path.stem
     return Artifact("datastore", f"{name}-{key['tokenizer']}", key, build, load,
+                    trained_by="rest" if source == ANSWERS else None, same=("method.datastore",),
                     description=f"REST datastore of {source}")
 
 
@@ -107,7 +131,8 @@ class RestSettings(MethodSettings):
     """REST's settings (``method.*``); Spec-Bench's run: the defaults but ``choices=64`` over its chat datastore."""
 
     datastore: str = Field("lee+wiki", min_length=1, description="what is retrieved from: a packaged corpus (lee, "
-                           "wiki, lee+wiki) or a .txt / .jsonl file (one document per line: a string or an object "
+                           "wiki, lee+wiki), answers (the target's own answers in the run's teacher store: built "
+                           "under recipe=) or a .txt / .jsonl file (one document per line: a string or an object "
                            "with text, conversations or messages)")
     choices: int = Field(8, ge=1, description="draft tokens per step: the trie's most frequent nodes (Spec-Bench "
                          "and the paper: 64 on a GPU; CPU default measured)")
@@ -122,9 +147,9 @@ class RestSettings(MethodSettings):
     def spans_in_order(self):
         if self.min_span > self.max_span:
             raise ValueError(f"min_span ({self.min_span}) must not exceed max_span ({self.max_span})")
-        if self.datastore not in CORPORA and not Path(self.datastore).expanduser().is_file():
-            raise ValueError(f"datastore '{self.datastore}' is neither a packaged corpus ({', '.join(CORPORA)}) nor "
-                             "a file")
+        if self.datastore not in (*CORPORA, ANSWERS) and not Path(self.datastore).expanduser().is_file():
+            raise ValueError(f"datastore '{self.datastore}' is neither a packaged corpus ({', '.join(CORPORA)}), "
+                             f"{ANSWERS}, nor a file")
         return self
 
 
@@ -140,9 +165,16 @@ class Rest(DraftVerify):
         self.sa: np.ndarray | None = None
         self.report: dict = {}
 
+    @classmethod
+    def trains(cls, pair_spec, settings=None) -> bool:
+        return getattr(settings, "datastore", None) == ANSWERS  # read from the recipe's teacher store
+
     def setup(self, train_if_missing: bool = True) -> None:
-        art = datastore_artifact(self.cfg.datastore, self.pair.tokenizer)
-        self.tokens, self.sa = load_or_build(art, self.pair.cache, True)
+        answers = self.cfg.datastore == ANSWERS
+        art = datastore_artifact(self.cfg.datastore, self.pair.tokenizer, self.pair.teacher,
+                                 self.pair.target.module if answers else None)
+        # The target's answers are labelled into the teacher store first, which train_if_missing governs.
+        self.tokens, self.sa = load_or_build(art, self.pair.cache, train_if_missing or not answers)
         self.report = report_of(art, self.pair.cache)
 
     class State(PromptState):

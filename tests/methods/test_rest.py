@@ -87,6 +87,18 @@ def test_the_packaged_datastore_decodes_as_ar(pair):
     assert_greedy_equal_to_ar(method, prompts_for(pair, 2), max_new=16)
 
 
+def test_the_targets_own_answers_are_a_datastore(pair):
+    """``answers``: the answers sequences of the run's teacher store (the smoke recipe's here), so the method now
+    depends on the recipe (records name it) and decodes as ``ar``."""
+    from methods.rest import answer_ids
+
+    method = build(pair, "rest", datastore="answers")
+    store = pair.teacher.store(pair.target.module, pair.tokenizer, "train")
+    assert method.report["tokens"] == sum(len(a) for a in answer_ids(store)) > 0
+    assert type(method).trains(pair.spec, method.cfg) and not type(method).trains(pair.spec, build(pair, "rest").cfg)
+    assert_greedy_equal_to_ar(method, prompts_for(pair, 2), max_new=16)
+
+
 def test_a_changed_file_is_a_new_datastore(pair, looping_file):
     first = build(pair, "rest", datastore=str(looping_file))
     looping_file.write_text(json.dumps("another text entirely") + "\n")
@@ -96,7 +108,7 @@ def test_a_changed_file_is_a_new_datastore(pair, looping_file):
 
 @pytest.mark.parametrize("over, words", [
     ({"min_span": 5, "max_span": 3}, "min_span (5) must not exceed max_span (3)"),
-    ({"datastore": "/nowhere/store.txt"}, "neither a packaged corpus (lee, wiki, lee+wiki) nor a file"),
+    ({"datastore": "/nowhere/store.txt"}, "neither a packaged corpus (lee, wiki, lee+wiki), answers, nor a file"),
     ({"choices": 0}, "method.choices=0 is not allowed"),
 ])
 def test_bad_settings_are_one_sentence(over, words):
