@@ -38,7 +38,7 @@ class Counted:
                flops: float | None = None, extra_flops: float = 0.0) -> None:
         """One call over ``batch`` sequences of ``new_tokens`` query positions each, attending to ``kv_len``
         keys. FLOPs: the formula's, or ``flops`` (the whole call's) where the call runs only a part of the module
-        (one head of several); less the output head on all but the last ``head_rows`` positions of each sequence
+        (one head of several); less the output head on all but ``head_rows`` positions of each sequence
         (``None``: all rows); plus ``extra_flops`` the formula does not describe (attention over another
         model's keys)."""
         self.calls += 1
@@ -70,8 +70,9 @@ class CountedLM(Counted):
     def __call__(self, input_ids: torch.Tensor, cache, **kwargs):
         batch, new_tokens = input_ids.shape
         past = cache.get_seq_length() if cache is not None else 0
-        keep = kwargs.get("logits_to_keep", 0)  # only the last `keep` positions go through the output head (0: all)
-        rows = keep if isinstance(keep, int) and keep > 0 else None
+        # The output head runs on the last `keep` positions only (0: all), or on the positions a 1D tensor lists.
+        keep = kwargs.get("logits_to_keep", 0)
+        rows = len(keep) if isinstance(keep, torch.Tensor) else (keep if keep > 0 else None)
         self._count(batch, new_tokens, past + new_tokens, head_rows=rows)
         return self.module(input_ids=input_ids, cache=cache, use_cache=cache is not None, **kwargs)
 

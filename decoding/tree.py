@@ -18,6 +18,8 @@ logits are exactly those of its path scored as a plain sequence (tested in ``tes
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from core.errors import BenchError
@@ -147,36 +149,65 @@ class Tree:
             self._ancestry = anc
         return self._ancestry
 
-    def attention_mask(self, past: int, dtype: torch.dtype, device) -> torch.Tensor:
-        """Additive mask ``(1, 1, n, past + n)``: 0 where a node may attend (cache, ancestors, itself), the
-        dtype's minimum elsewhere. Additive because transformers' eager attention adds the mask to the
-        scores (SDPA takes either); a 4D mask is passed through ``create_causal_mask`` as is."""
-        return additive_mask(self.ancestry(), past, dtype, device)
-
 
 def additive_mask(allowed: torch.Tensor, past: int, dtype: torch.dtype, device) -> torch.Tensor:
     """``(1, 1, n, past + m)`` additive attention mask: every query attends to the ``past`` cached positions,
-    and to the m new ones where ``allowed (n, m)`` is True; the dtype's minimum elsewhere."""
+    and to the m new ones where ``allowed (n, m)`` is True; the dtype's minimum elsewhere. Additive because
+    transformers' eager attention adds the mask to the scores (SDPA takes either); a 4D mask is passed through
+    ``create_causal_mask`` as is."""
     n, m = allowed.shape
     mask = torch.zeros(n, past + m, dtype=dtype, device=device)
     mask[:, past:].masked_fill_(~allowed.to(device), torch.finfo(dtype).min)
     return mask[None, None]
 
 
-def score_tree(target, cache, tree: Tree, hidden: bool = False, **kwargs):
-    """Score every node of ``tree`` in ONE forward of ``target`` (a ``CountedLM``); the cache grows by ``n``.
+@dataclass
+class SideRows:
+    """Rows the target reads in the same forward as a tree that are no candidates (Lookahead's Jacobi window):
+    none of the tree's nodes sees them, they see the cache, the root (the pending token) and the side rows
+    ``allowed`` marks, and their KV entries go when the step keeps its path (:func:`keep_path`).
 
-    A chain is a plain causal forward (no mask); any other tree gets the tree attention mask and positions
-    ``past + depth``. Returns ``(logits (n, vocab), hidden (n, hidden) or None)``: the last hidden states
-    only when ``hidden``.
+    ``tokens``: the m rows' tokens; ``offsets``: each row's position minus the root's; ``allowed``: ``BoolTensor
+    (m, m)``, ``[i, j]`` True when row i attends to row j; ``keep``: the rows whose logits are needed, in order
+    (the output head runs on those only).
+    """
+
+    tokens: list[int]
+    offsets: list[int]
+    allowed: torch.Tensor
+    keep: list[int]
+
+
+def score_tree(target, cache, tree: Tree, hidden: bool = False, side: SideRows | None = None, **kwargs):
+    """Score every node of ``tree`` in ONE forward of ``target`` (a ``CountedLM``); the cache grows by ``n``
+    (and by the side rows, when given).
+
+    A chain is a plain causal forward (no mask); any other tree, or one with ``side`` rows after it, gets the
+    tree attention mask and positions ``past + depth``. Returns ``(logits (n, vocab), hidden (n, hidden) or
+    None)``: the last hidden states only when ``hidden``. With ``side``, the logits have ``len(side.keep)`` more
+    rows, the kept side rows' after the tree's (and the hidden states every side row's).
     """
     device = target.device
-    ids = torch.tensor([tree.tokens], device=device)
-    if not tree.is_chain:
+    tokens, allowed, offsets = tree.tokens, None, None
+    if side is not None:
+        n, m = len(tree), len(side.tokens)
+        tokens = tree.tokens + side.tokens
+        allowed = torch.zeros(n + m, n + m, dtype=torch.bool)
+        allowed[:n, :n] = tree.ancestry()
+        allowed[n:, 0] = True  # every side row reads the root
+        allowed[n:, n:] = side.allowed
+        offsets = tree.depth + side.offsets
+        if kwargs.get("logits_to_keep"):
+            raise ValueError("score_tree keeps every tree row's logits when there are side rows")
+        kwargs["logits_to_keep"] = torch.tensor(list(range(n)) + [n + k for k in side.keep], device=device)
+    elif not tree.is_chain:
+        allowed, offsets = tree.ancestry(), tree.depth
+    ids = torch.tensor([tokens], device=device)
+    if allowed is not None:
         past = cache.get_seq_length()
         dtype = next(target.module.parameters()).dtype
-        kwargs["attention_mask"] = tree.attention_mask(past, dtype, device)
-        kwargs["position_ids"] = (past + torch.tensor(tree.depth, device=device)).unsqueeze(0)
+        kwargs["attention_mask"] = additive_mask(allowed, past, dtype, device)
+        kwargs["position_ids"] = (past + torch.tensor(offsets, device=device)).unsqueeze(0)
     out = target(ids, cache, output_hidden_states=hidden, **kwargs)
     return out.logits[0], (out.hidden_states[-1][0] if hidden else None)
 

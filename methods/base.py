@@ -5,7 +5,8 @@
 - :class:`DraftVerify`: the loop of every draft-and-verify method: prefill, then per step ONE target forward
   over what the method proposes, verification, commit. A subclass says only what is its own:
   :meth:`~DraftVerify.propose` (and optionally :meth:`~DraftVerify.start`, :meth:`~DraftVerify.verify`,
-  :meth:`~DraftVerify.accepted`, :meth:`~DraftVerify.extra`).
+  :meth:`~DraftVerify.accepted`, :meth:`~DraftVerify.extra`, and :meth:`~DraftVerify.side_scored` for rows the
+  forward reads beside the candidates).
 - :class:`PromptState`: one prompt's state, which the loop owns: the committed text, the target's KV cache (and
   any cache a method registers with :meth:`~PromptState.track`), the token budget and the stop at EOS.
 
@@ -30,7 +31,7 @@ from core.pair import Pair
 from core.schema import Settings, as_config, check
 from decoding.cache import truncate_cache
 from decoding.sampling import Sampling, next_token
-from decoding.tree import Tree, keep_path, score_tree
+from decoding.tree import SideRows, Tree, keep_path, score_tree
 from decoding.verify import verify_chain, verify_tree
 
 
@@ -168,12 +169,14 @@ class Draft:
     ``q``: ``FloatTensor (len(tree), vocab)``: row v is the distribution node v's token was drawn from, when
     sampling from a draft model (row 0 unused); ``None`` for a deterministic drafter (n-gram lookups, the
     top-k of heads), whose q is one-hot. ``logit_rows``: how many rows of logits the target must return, the last
-    ones (0: all).
+    ones (0: all). ``side``: rows the same forward reads that are no candidates (Lookahead's Jacobi window; their
+    logits go to :meth:`DraftVerify.side_scored`, their KV entries are dropped), or None.
     """
 
     tree: Tree
     q: torch.Tensor | None = None
     logit_rows: int = 0
+    side: SideRows | None = None
 
     @classmethod
     def chain(cls, pending: int, tokens, q: torch.Tensor | None = None) -> Draft:
@@ -292,6 +295,10 @@ class DraftVerify(Method):
             return list(range(n + 1)), nxt
         return verify_tree(draft.tree, logits, state.sampling, state.generator, draft.q)
 
+    def side_scored(self, state: PromptState, draft: Draft, logits: torch.Tensor) -> None:
+        """Called after the forward of a draft with ``side`` rows, before :meth:`verify`; ``logits``: ``(len(
+        draft.side.keep), vocab)``, the kept side rows' in order."""
+
     def accepted(self, state: PromptState, draft: Draft, path: list[int], hidden: torch.Tensor | None) -> None:
         """Called after each step's commit (``path`` includes the root; ``hidden``: ``(len(path), hidden)``
         of the path's nodes when ``self.hidden``): update indexes, tallies, the next step's inputs (no
@@ -314,9 +321,12 @@ class DraftVerify(Method):
             while not state.done:
                 draft = self.propose(state)
                 past = state.cache.get_seq_length()
-                # ONE target forward scores the pending token and every proposed node.
+                # ONE target forward scores the pending token and every proposed node (and any side rows).
                 keep = {"logits_to_keep": draft.logit_rows} if draft.logit_rows else {}
-                logits, hidden = score_tree(self.pair.target, state.cache, draft.tree, self.hidden, **keep)
+                logits, hidden = score_tree(self.pair.target, state.cache, draft.tree, self.hidden, draft.side, **keep)
+                if draft.side is not None:
+                    self.side_scored(state, draft, logits[len(draft.tree):])
+                    logits = logits[: len(draft.tree)]
                 path, nxt = self.verify(state, draft, logits)
                 keep_path(state.cache, past, path)  # the root and the accepted nodes; the new token is pending
                 state.commit([draft.tree.tokens[v] for v in path[1:]] + [nxt], drafted=draft.depth)

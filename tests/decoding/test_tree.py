@@ -121,3 +121,39 @@ def test_independently_drawn_siblings_keep_the_target_distribution():
     counts = first_token_counts(make_tree, p_logits, sampling, 12000, seed=3, draft_probs=lambda t: q.expand(len(t), -1))
     p = probs_from_logits(p_logits[0], sampling)
     assert chisquare(counts.numpy(), (p * counts.sum()).numpy()).pvalue > 1e-3
+
+
+def test_side_rows_read_their_own_sequences_and_leave_the_tree_and_its_cache_alone(tiny_pair):
+    """Side rows (Lookahead's window) scored in the tree's forward: each side row's logits equal its visible rows
+    (the root, then the side rows it attends to, in order) scored as a plain sequence after the prefix; the
+    tree's rows equal the tree scored alone; after keep_path the cache is the accepted path's, side rows gone;
+    the output head runs (and is counted) on the tree's rows and the kept side rows only."""
+    from decoding.tree import SideRows
+
+    target = tiny_pair.target
+    prefix = torch.randint(0, 259, (1, 10), generator=torch.Generator().manual_seed(2))
+    tree = random_tree([[0], [1], [0, 0]], seed=2)
+    allowed = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [0, 1, 1, 1]], dtype=torch.bool)
+    side = SideRows([5, 6, 7, 8], [1, 2, 2, 3], allowed, keep=[3, 0, 2])
+    with torch.no_grad():
+        alone, cache = DynamicCache(), DynamicCache()
+        target(prefix, alone)
+        target(prefix, cache)
+        expected, _ = score_tree(target, alone, tree)
+        before = target.stats()["flops"]
+        logits, _ = score_tree(target, cache, tree, side=side)
+        spent = target.stats()["flops"] - before
+        torch.testing.assert_close(logits[: len(tree)], expected, atol=1e-4, rtol=1e-4)
+        for row, k in enumerate(side.keep):
+            seen = [tree.tokens[0]] + [side.tokens[j] for j in range(4) if allowed[k, j]]
+            plain = target.module(torch.tensor([prefix[0].tolist() + seen])).logits[0, -1]
+            torch.testing.assert_close(logits[len(tree) + row], plain, atol=1e-4, rtol=1e-4)
+        path = [0, 1, 3]
+        keep_path(cache, prefix.shape[1], path)
+        keep_path(alone, prefix.shape[1], path)
+    assert logits.shape[0] == len(tree) + 3
+    for a, b in zip(cache.layers, alone.layers, strict=True):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+    one_row = 2.0 * target.head_weights
+    all_rows = target.formula(len(tree) + 4, prefix.shape[1] + len(tree) + 4)
+    assert spent == pytest.approx(all_rows - one_row)  # 8 rows read, 7 through the output head
