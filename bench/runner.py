@@ -225,6 +225,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
         tensors = [torch.tensor([ids], device=pair.device) for ids in encoded]
         prov = provenance(cfg, pair.device)
         prov["cost_ratio_c"] = cost_ratio(pair, tensors[0])
+        prov["one_row_kernels"] = pair.kernels  # which CPU kernel one-token forwards took, and why (timings)
     else:  # everything is already measured: no model needs loading
         prov = previous_provenance(run_dir) or {**provenance(cfg, torch.device("cpu")), "cost_ratio_c": float("nan")}
     if cfg.get("resume"):

@@ -34,6 +34,8 @@ class Pair:
     # reads; set by the harness. Typed loosely: the foundation does not import the training layer above it.
     teacher: Any = None
     roles: dict[str, Counted] = field(default_factory=dict)
+    # Per role, the one-row CPU kernel chosen when the pair loaded and its timings (core.kernels); empty: not packed.
+    kernels: dict[str, dict | None] = field(default_factory=dict)
 
     def __post_init__(self):
         self.roles["target"] = self.target

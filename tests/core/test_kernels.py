@@ -78,3 +78,41 @@ def test_load_pair_packs_cpu_fp32_models_unless_switched_off(compose_cfg):
     assert isinstance(on.target.module.lm_head, PackedLinear) and isinstance(on.draft.module.lm_head, PackedLinear)
     off = load_pair(compose_cfg("pair=tiny", "packed_linear=false"))
     assert type(off.target.module.lm_head) is nn.Linear
+
+
+@pytest.mark.parametrize("faster", ["packed", "plain"])
+def test_the_faster_one_row_kernel_is_kept(monkeypatch, faster):
+    """choose_one_row_kernel times one-token forwards both ways and keeps the faster: the baseline's one-row
+    steps are never taxed by a kernel this machine runs slower (the clock is faked, so the test decides)."""
+    import core.kernels
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).eval()
+    pack_linears(model)
+    real = core.kernels.clocked
+
+    def fake(device, fn, *args, **kwargs):
+        out, _ = real(device, fn, *args, **kwargs)
+        packed = model.lm_head.min_rows == 1
+        return out, (0.01 if packed == (faster == "packed") else 0.02)
+
+    monkeypatch.setattr(core.kernels, "clocked", fake)
+    got = core.kernels.choose_one_row_kernel(model, reps=3, past=5)
+    assert got == {"one_row": faster, "plain_ms": 20.0 if faster == "packed" else 10.0,
+                   "packed_ms": 10.0 if faster == "packed" else 20.0}
+    rows = {lin.min_rows for lin in model.modules() if isinstance(lin, PackedLinear)}
+    assert rows == {1 if faster == "packed" else 2}
+    assert core.kernels.choose_one_row_kernel(nn.Linear(3, 3)) is None  # nothing packed: nothing to choose
+
+
+def test_load_pair_records_each_models_one_row_kernel(compose_cfg):
+    from bench.models import load_pair
+
+    pair = load_pair(compose_cfg("pair=tiny"))
+    assert set(pair.kernels) == {"target", "draft"}
+    for role, lm in (("target", pair.target), ("draft", pair.draft)):
+        chosen = pair.kernels[role]["one_row"]
+        assert lm.module.lm_head.min_rows == (1 if chosen == "packed" else 2)
+    assert load_pair(compose_cfg("pair=tiny", "packed_linear=false")).kernels == {}
