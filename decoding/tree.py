@@ -192,7 +192,7 @@ def score_tree(target, cache, tree: Tree, hidden: bool = False, side: SideRows |
     if side is not None:
         n, m = len(tree), len(side.tokens)
         tokens = tree.tokens + side.tokens
-        allowed = torch.zeros(n + m, n + m, dtype=torch.bool)
+        allowed = torch.zeros(n + m, n + m, dtype=torch.bool, device="cpu")  # host-side, like the tree
         allowed[:n, :n] = tree.ancestry()
         allowed[n:, 0] = True  # every side row reads the root
         allowed[n:, n:] = side.allowed

@@ -17,9 +17,10 @@ token:
 
 As the authors' code (hao-ai-lab/LookaheadDecoding, as Spec-Bench vendors it): level 0 starts as ``window +
 level - 3`` tokens drawn from the prompt (``random.seed(10)``), the first ``level - 2`` steps fill the levels
-(and find the pool empty, unless it holds the prompt's n-grams), the window advances one column per step whatever was accepted, the window's new level is the
-argmax (when sampling too), and the pool keeps ``guess`` n-grams per key, least recently seen dropped. Their
-optional ``POOL_FROM_PROMPT`` (the prompt's n-grams, then each committed token's) is ``pool_from_prompt``.
+(and find the pool empty, unless it holds the prompt's n-grams), the window advances one column per step whatever
+was accepted, the window's new level is the argmax (when sampling too), and the pool keeps ``guess`` n-grams per
+key, least recently seen dropped. Their optional ``POOL_FROM_PROMPT`` (the prompt's n-grams, then each committed
+token's) is ``pool_from_prompt``.
 Differences, said on docs/methods/lookahead.md: shared prefixes are scored once (a trie), a fully matched
 n-gram also gains the target's token after it (their loop drops it), and the prompt's n-grams are verified from
 the first step (theirs wait for the window to fill).
@@ -148,8 +149,8 @@ def window_shape(m: int, top: int) -> tuple[list[int], torch.Tensor, list[int]]:
     first = m - 1
     size = first + top * m
     offsets = list(range(1, m)) + [level + i for level in range(1, top + 1) for i in range(m)]
-    allowed = torch.zeros(size, size, dtype=torch.bool)
-    allowed[:first, :first] = torch.ones(first, first, dtype=torch.bool).tril()
+    allowed = torch.zeros(size, size, dtype=torch.bool, device="cpu")  # host-side, like a tree's ancestry
+    allowed[:first, :first] = torch.ones(first, first, dtype=torch.bool, device="cpu").tril()
     for level in range(1, top + 1):
         for i in range(m):
             row = first + (level - 1) * m + i

@@ -84,8 +84,9 @@ def test_load_pair_packs_cpu_fp32_models_unless_switched_off(compose_cfg):
 def test_the_faster_one_row_kernel_is_kept(monkeypatch, faster):
     """choose_one_row_kernel times one-token forwards both ways and keeps the faster: the baseline's one-row
     steps are never taxed by a kernel this machine runs slower (the clock is faked, so the test decides)."""
-    import core.kernels
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    import core.kernels
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2)

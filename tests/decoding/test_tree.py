@@ -125,7 +125,7 @@ def test_independently_drawn_siblings_keep_the_target_distribution():
 
 def test_side_rows_read_their_own_sequences_and_leave_the_tree_and_its_cache_alone(tiny_pair):
     """Side rows (Lookahead's window) scored in the tree's forward: each side row's logits equal its visible rows
-    (the root, then the side rows it attends to, in order) scored as a plain sequence after the prefix; the
+    (the root, then the side rows it attends to, in order, each at its offset) scored as a plain sequence; the
     tree's rows equal the tree scored alone; after keep_path the cache is the accepted path's, side rows gone;
     the output head runs (and is counted) on the tree's rows and the kept side rows only."""
     from decoding.tree import SideRows
@@ -133,7 +133,7 @@ def test_side_rows_read_their_own_sequences_and_leave_the_tree_and_its_cache_alo
     target = tiny_pair.target
     prefix = torch.randint(0, 259, (1, 10), generator=torch.Generator().manual_seed(2))
     tree = random_tree([[0], [1], [0, 0]], seed=2)
-    allowed = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [0, 1, 1, 1]], dtype=torch.bool)
+    allowed = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     side = SideRows([5, 6, 7, 8], [1, 2, 2, 3], allowed, keep=[3, 0, 2])
     with torch.no_grad():
         alone, cache = DynamicCache(), DynamicCache()
@@ -145,7 +145,9 @@ def test_side_rows_read_their_own_sequences_and_leave_the_tree_and_its_cache_alo
         spent = target.stats()["flops"] - before
         torch.testing.assert_close(logits[: len(tree)], expected, atol=1e-4, rtol=1e-4)
         for row, k in enumerate(side.keep):
-            seen = [tree.tokens[0]] + [side.tokens[j] for j in range(4) if allowed[k, j]]
+            visible = [j for j in range(4) if allowed[k, j]]
+            assert [side.offsets[j] for j in visible] == list(range(1, len(visible) + 1))  # a plain sequence
+            seen = [tree.tokens[0]] + [side.tokens[j] for j in visible]
             plain = target.module(torch.tensor([prefix[0].tolist() + seen])).logits[0, -1]
             torch.testing.assert_close(logits[len(tree) + row], plain, atol=1e-4, rtol=1e-4)
         path = [0, 1, 3]

@@ -106,7 +106,8 @@ def test_the_window_alone_finds_the_loop(tiny_pair, looping_prompt):
 
 
 def test_spec_benchs_settings_decode_like_ar(tiny_pair):
-    assert_greedy_equal_to_ar(build(tiny_pair, "lookahead", level=5, window=7, guess=7, pool_from_prompt=False), prompts_for(tiny_pair, 2))
+    method = build(tiny_pair, "lookahead", level=5, window=7, guess=7, pool_from_prompt=False)
+    assert_greedy_equal_to_ar(method, prompts_for(tiny_pair, 2))
 
 
 @pytest.mark.parametrize("settings, message", [
