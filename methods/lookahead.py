@@ -63,7 +63,7 @@ class Lookahead(DraftVerify):
 
         levels: list[list[int]]  # the Jacobi window, level 0 first: level 0 one token shorter than the others
         pool: dict[int, list[tuple[int, ...]]]  # first token -> up to `guess` continuations of level - 1 tokens
-        pooled_to: int  # seq[:pooled_to] has given its n-grams to the pool (pool_from_prompt)
+        next_end: int  # pool_from_prompt: the next n-gram to pool is seq[next_end - level: next_end]
         guesses: list[int]  # n-grams verified at each call
         rows: list[int]  # tokens the target read at each call (tree and window)
 
@@ -72,7 +72,7 @@ class Lookahead(DraftVerify):
         rng = random.Random(WINDOW_SEED)
         state.levels = [[rng.choice(state.seq) for _ in range(w + n - 3)]]
         state.pool, state.guesses, state.rows = {}, [], []
-        state.pooled_to = 0
+        state.next_end = self.cfg.level
         if self.cfg.pool_from_prompt:
             self.pool_committed(state)
 
@@ -107,12 +107,13 @@ class Lookahead(DraftVerify):
             self.pool_committed(state)
 
     def pool_committed(self, state: State) -> None:
-        """Give the pool the n-gram ending at each token committed since the last call (the prompt's first)."""
+        """Give the pool the n-gram ending at each token of the text not yet pooled: the prompt's at the start,
+        then each step's committed tokens."""
         n = self.cfg.level
-        for end in range(max(state.pooled_to, n), len(state.seq) + 1):
+        for end in range(state.next_end, len(state.seq) + 1):
             gram = state.seq[end - n: end]
             remember(state.pool, gram[0], tuple(gram[1:]), self.cfg.guess)
-        state.pooled_to = len(state.seq) + 1
+        state.next_end = max(state.next_end, len(state.seq) + 1)
 
     def extra(self, state: State) -> dict:
         calls = len(state.rows) or float("nan")
