@@ -233,9 +233,12 @@ def _plural(text: str) -> str:
 
 
 def rows(settings: Settings, prefix: str = "") -> list[dict]:
-    """Every leaf setting of a validated node: ``{key, type, value, meaning}`` (what ``show`` prints)."""
+    """Every leaf setting of a validated node: ``{key, type, value, meaning}`` (what ``show`` prints), less the fields
+    declared with ``json_schema_extra={"shown": False}`` (a method's name, which ``method=<name>`` sets)."""
     out = []
     for name, field in type(settings).model_fields.items():
+        if (field.json_schema_extra or {}).get("shown") is False:
+            continue
         value = getattr(settings, name)
         key = f"{prefix}{name}"
         if isinstance(value, Settings):

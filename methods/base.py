@@ -38,7 +38,9 @@ from decoding.verify import verify_chain, verify_tree
 class MethodSettings(Settings):
     """A method's settings (``method.*``); each method declares its own as a subclass, ``Config``, in its file."""
 
-    name: str = Field("", description="the method, as registered (method=<name> sets it)")
+    # Set by method=<name>, or by the enclosing method for one nested in another's settings: `show` lists it not.
+    name: str = Field("", description="the method, as registered (method=<name> sets it)",
+                      json_schema_extra={"shown": False})
 
 
 @dataclass

@@ -170,6 +170,15 @@ def test_show_prints_every_setting_from_the_schema(group, capsys):
             assert f"| {prefix}{row['key']} " in out and row["meaning"].split()[0] in out
 
 
+def test_show_lists_no_methods_name_nested_in_anothers_settings(capsys):
+    """A method nested in another's settings (SAM-Decoding's auxiliary pld and eagle) has its name set by the
+    enclosing method: show does not offer it as a setting; the nested settings themselves are listed."""
+    assert show_main(["method=samd"]) == 0
+    out = capsys.readouterr().out
+    assert "| method.pld.max_ngram " in out and "| method.eagle.depth " in out
+    assert ".name " not in out
+
+
 def test_describe_type_reads_the_declaration():
     fields = get_method("sd").Config.model_fields
     assert describe_type(fields["gamma"]) == "an integer >= 1"
