@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import re
 import subprocess
 import sys
@@ -26,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bench import plots, saved, summary  # noqa: E402
+from bench.results import git_state  # noqa: E402
 from core.errors import BenchError  # noqa: E402
 from methods.registry import known_methods  # noqa: E402
 
@@ -41,6 +43,17 @@ def sweep(out: Path, overrides: list[str]) -> list[str]:
     if done.returncode != 0:
         raise BenchError(f"the sweep stopped (exit {done.returncode}); run the same command again to finish it.")
     return cmd
+
+
+def other_commits(sweep_dir: Path, commit: str | None) -> list[str]:
+    """The jobs in ``sweep_dir`` measured at another commit than ``commit`` (``job at abc1234``): resuming would keep
+    them, and a page from two commits compares code that may time differently."""
+    found = []
+    for run_json in sorted(sweep_dir.glob("*/run.json")):
+        theirs = (json.loads(run_json.read_text()).get("git") or {}).get("commit")
+        if commit and theirs and theirs != commit:
+            found.append(f"{run_json.parent.name} at {theirs[:7]}")
+    return found
 
 
 def block(sweep_dir: Path, figure: Path, page: Path, command: str) -> str:
@@ -91,11 +104,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--page", default="docs/results.md")
     parser.add_argument("--figure", default="docs/img/results-all.png")
     parser.add_argument("--no-run", action="store_true", help="only rewrite the page from the sweep as it is")
+    parser.add_argument("--keep-other-commits", action="store_true",
+                        help="finish a sweep whose jobs were measured at another commit, keeping them")
     args, overrides = parser.parse_known_args(argv)
     sweep_dir, page, figure = (Path(p).resolve() for p in (args.sweep, args.page, args.figure))
     shown = " ".join(["python scripts/results_page.py", *([f"--sweep {args.sweep}"] if args.sweep != parser.get_default("sweep") else []), *overrides])
     try:
         if not args.no_run:
+            older = other_commits(sweep_dir, git_state()["commit"])
+            if older and not args.keep_other_commits:
+                raise BenchError(f"{args.sweep} holds jobs measured at another commit ({', '.join(older[:3])}"
+                                 f"{', ...' if len(older) > 3 else ''}), which a resumed sweep would keep: give a new "
+                                 "--sweep DIR, move that folder, or pass --keep-other-commits.")
             sweep(sweep_dir, overrides)
         write_page(page, block(sweep_dir, figure, page, shown))
     except BenchError as err:

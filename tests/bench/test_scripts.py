@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import ROOT
 
 
@@ -140,3 +142,24 @@ def test_results_page_holds_every_method_from_one_sweep(tmp_path, cache_dir):
     again = script("results_page.py", *args, "--no-run", cache_dir=cache_dir)
     assert "wrote" in again.stdout and [line for line in page.read_text().splitlines() if line.startswith("| ")] == \
         [line for line in text.splitlines() if line.startswith("| ")]
+
+
+def test_results_page_refuses_to_resume_jobs_from_another_commit(tmp_path, monkeypatch, capsys):
+    """A sweep folder holding a job measured at another commit is not resumed silently (the page would mix code
+    that times differently): one sentence naming the job, exit 2, nothing run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("results_page", ROOT / "scripts" / "results_page.py")
+    page_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(page_script)
+    job = tmp_path / "sweep" / "pld_smollm2_default"
+    job.mkdir(parents=True)
+    (job / "run.json").write_text(json.dumps({"git": {"commit": "0123456789" * 4, "dirty": False}}))
+    assert page_script.other_commits(tmp_path / "sweep", "f" * 40) == ["pld_smollm2_default at 0123456"]
+    assert page_script.other_commits(tmp_path / "sweep", "0123456789" * 4) == []
+    monkeypatch.setattr(page_script, "sweep", lambda *a: pytest.fail("the sweep must not run"))
+    monkeypatch.setattr(page_script, "git_state", lambda: {"commit": "f" * 40, "dirty": False})
+    assert page_script.main(["--sweep", str(tmp_path / "sweep"), "--page", str(tmp_path / "r.md")]) == 2
+    err = capsys.readouterr().err
+    assert "holds jobs measured at another commit (pld_smollm2_default at 0123456)" in err
+    assert err.count("\n") == 1
