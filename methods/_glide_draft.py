@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -129,19 +130,23 @@ def decode_visible(positions: torch.Tensor, p: int, block: int) -> torch.Tensor:
 
 
 class CrossAttention(nn.Module):
-    """GliDe's glimpse of the target: ``q_proj`` (H -> heads * d) of the draft's states, rotated to their positions
-    by the target's rotary; keys and values the target's cached ones as they are; ``o_proj`` back to H."""
+    """GliDe's glimpse of the target: ``q_proj`` (H -> heads * d: the draft's width to the target's attention width)
+    of the draft's states, rotated to their positions by the target's rotary; keys and values the target's cached
+    ones as they are; ``o_proj`` back to H."""
 
-    def __init__(self, config, self_attn: nn.Module, rotary):
+    def __init__(self, hidden: int, heads: int, head_dim: int, rotary, q_bias: bool = False, o_bias: bool = False):
         super().__init__()
-        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = self_attn.head_dim
-        # Shaped as the family's own projections (with their biases, where it has them), freshly initialised.
-        self.q_proj = nn.Linear(self_attn.q_proj.in_features, self_attn.q_proj.out_features,
-                                bias=self_attn.q_proj.bias is not None)
-        self.o_proj = nn.Linear(self_attn.o_proj.in_features, self_attn.o_proj.out_features,
-                                bias=self_attn.o_proj.bias is not None)
+        self.heads, self.head_dim = heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=q_bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)
         self.rotary = rotary  # the target family's apply_rotary_pos_emb
+
+    @classmethod
+    def like(cls, config, self_attn: nn.Module, rotary) -> CrossAttention:
+        """Shaped as the family's own attention ``self_attn`` of ``config`` (with its biases, where it has them),
+        freshly initialised."""
+        return cls(self_attn.q_proj.in_features, config.num_attention_heads, self_attn.head_dim, rotary,
+                   self_attn.q_proj.bias is not None, self_attn.o_proj.bias is not None)
 
     def forward(self, x: torch.Tensor, cos_sin, k: torch.Tensor, v: torch.Tensor,
                 visible: torch.Tensor | None = None) -> torch.Tensor:
@@ -153,7 +158,7 @@ class CrossAttention(nn.Module):
         q = self.rotary(q, q, *cos_sin)[0]
         if k.shape[-2] == 0:
             return torch.zeros_like(x)
-        rep = self.heads // self.kv_heads  # GQA: query head h reads kv head h // rep, as the target's attention does
+        rep = self.heads // k.shape[1]  # GQA: query head h reads kv head h // rep, as the target's attention does
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         seen = None
         if visible is not None:
@@ -167,8 +172,8 @@ class CrossAttention(nn.Module):
 
 class GlideDraft(nn.Module):
     """``layers`` GliDe blocks of the target's classes (self-attention, norms and MLP from transformers' model cut
-    to that depth, :func:`methods.heads._heads.body_config`; its rotary and final norm), a :class:`CrossAttention` and its
-    norm per block, and the frozen ``head`` (the target's output rows of ``vocab_map``, ``LongTensor (V',)``)."""
+    to that depth, :func:`core.model_parts.body_config`; its rotary and final norm), a :class:`CrossAttention` and
+    its norm per block, and the frozen ``head`` (the target's output rows of ``vocab_map``, ``LongTensor (V',)``)."""
 
     def __init__(self, target_config, vocab_map: torch.Tensor, layers: int = 1):
         super().__init__()
@@ -183,7 +188,7 @@ class GlideDraft(nn.Module):
                              f"target's are {type(self.body).__name__}'s ({target_config.model_type}).")
         self.body.get_input_embeddings().requires_grad_(False)  # fed embeddings, never ids: a 1-row table
         self.cross_norm = nn.ModuleList(copy.deepcopy(b.post_attention_layernorm) for b in blocks)
-        self.cross = nn.ModuleList(CrossAttention(self.config, b.self_attn, rotary) for b in blocks)
+        self.cross = nn.ModuleList(CrossAttention.like(self.config, b.self_attn, rotary) for b in blocks)
         self.head = nn.Linear(target_config.hidden_size, vocab_map.numel(), bias=False).requires_grad_(False)
         self.register_buffer("vocab_map", vocab_map.long(), persistent=True)
 
@@ -202,11 +207,12 @@ class GlideDraft(nn.Module):
         draft.head.weight.data.copy_(target.get_output_embeddings().weight.data[vocab_map.to(target.device)].cpu())
         return draft
 
-    def forward(self, emb: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, emb: torch.Tensor, positions: torch.Tensor, kvs: Sequence[tuple[torch.Tensor, torch.Tensor]],
                 visible: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """``emb (B, n, H)``: the target's input embeddings of n tokens at ``positions (n,)`` (consecutive, right
-        after the ``cache``'s); ``k``, ``v`` ``(B, n_kv, m, d)``: the target's cached keys and values of layer L
-        at positions 0 .. m-1; ``visible`` ``(B or 1, n, m)``: which of them each query sees (``None``: all).
+        after the ``cache``'s); ``kvs``: per block, the target's cached keys and values ``(B, n_kv, m, d)`` it reads
+        (here every block reads layer L) at positions 0 .. m-1; ``visible`` ``(B or 1, n, m)``: which of them each
+        query sees (``None``: all).
         ``cache``: the draft's self-attention KV cache of the earlier positions, extended in place (``None``: the
         whole sequence at once, as in training). Returns ``(B, n, H)``, the states the head reads."""
         n = emb.shape[1]
@@ -214,7 +220,7 @@ class GlideDraft(nn.Module):
         past = cache.get_seq_length() if cache is not None else 0
         causal = additive_mask(torch.ones(n, n, dtype=torch.bool, device=emb.device).tril(), past, emb.dtype, emb.device)
         h = emb
-        for block, norm, cross in zip(self.body.layers, self.cross_norm, self.cross):
+        for block, norm, cross, (k, v) in zip(self.body.layers, self.cross_norm, self.cross, kvs, strict=True):
             h = h + block.self_attn(block.input_layernorm(h), position_embeddings=cos_sin, attention_mask=causal,
                                     cache=cache)[0]
             h = h + cross(norm(h), cos_sin, k, v, visible)
@@ -223,21 +229,23 @@ class GlideDraft(nn.Module):
 
 
 class CountedGlide(Counted):
-    """The ``glide`` role: ``draft(emb, positions, k, v, visible, cache, rows)`` returns the head's logits
-    ``(B, rows, V')`` of the last ``rows`` positions. Counted as :mod:`core.flops` counts a model (the blocks'
+    """The ``glide`` role: ``draft(emb, positions, kvs, visible, cache, rows)`` returns the head's logits
+    ``(B, rows, V')`` of the last ``rows`` positions (a :class:`GlideDraft` or the authors' published draft,
+    :class:`methods._glide_published.PublishedGlide`). Counted as :mod:`core.flops` counts a model (the blocks'
     and the cross-attention's weights, self-attention over the draft's cache), plus the cross-attention's
-    scores and weighted sum over the target's m keys (4 FLOPs per query, key and attention width, per block),
-    the head on ``rows`` positions only."""
+    scores and weighted sum over the target's m keys (4 FLOPs per query, key and the target's attention width,
+    per block), the head on ``rows`` positions only."""
 
-    def __init__(self, draft: GlideDraft):
+    def __init__(self, draft: nn.Module):
         super().__init__(draft, "glide", draft.config)
         self.head_weights = draft.head.weight.numel()
+        self.cross_width = sum(c.heads * c.head_dim for c in draft.cross)  # summed over the blocks
 
-    def __call__(self, emb, positions, k, v, visible, cache, rows: int = 1):
+    def __call__(self, emb, positions, kvs, visible, cache, rows: int = 1):
         n = emb.shape[1]
-        cross = 4.0 * self.formula.n_layer * self.formula.d_attn * n * k.shape[-2]  # scores and sum over m keys
+        cross = 4.0 * self.cross_width * n * kvs[0][0].shape[-2]  # scores and sum over the target's m keys
         self._count(1, n, cache.get_seq_length() + n, head_rows=rows, extra_flops=cross)
-        out = self.module(emb, positions, k, v, visible, cache)
+        out = self.module(emb, positions, kvs, visible, cache)
         return self.module.head(out[:, n - rows :])
 
 
@@ -274,7 +282,7 @@ def glide_loss(draft: GlideDraft, batch: dict, embed, to_sub: torch.Tensor, bloc
         emb = embed(ids)
     positions = torch.arange(T, device=ids.device)
     visible = visible_keys(positions, T, block, phase)[None]
-    logits = draft.head(draft(emb, positions, batch["k"], batch["v"], visible))
+    logits = draft.head(draft(emb, positions, [(batch["k"], batch["v"])] * len(draft.cross), visible))
     return soft_ce(logits, batch["idx"], batch["prob"] * batch["mask"][..., None], to_sub)
 
 
@@ -290,8 +298,9 @@ def glide_judge(draft: GlideDraft, store, kv, embed, offset: int = 0, device=Non
         T = b["ids"].shape[1]
         positions = torch.arange(T, device=device)
         visible = (torch.arange(T, device=device)[None] < (positions - offset)[:, None])[None]
-        hit = draft.vocab_map[draft.head(draft(embed(b["ids"]), positions, b["k"], b["v"], visible)).argmax(-1)] \
-            == b["idx"][..., 0]
+        kvs = [(b["k"], b["v"])] * len(draft.cross)
+        proposed = draft.vocab_map[draft.head(draft(embed(b["ids"]), positions, kvs, visible)).argmax(-1)]
+        hit = proposed == b["idx"][..., 0]
         counted = b["mask"] & (positions > offset)
         return [(hit, counted, counted & b["answer"])]
 

@@ -14,28 +14,31 @@ Decoding"): a draft that glimpses the target's KV cache, and proposals expanded 
   one-hot q, so sampled output follows the target's distribution too).
 - Without CaPE: a chain of ``gamma`` tokens, greedy or sampled from the draft's distribution, verified by
   standard speculative sampling.
+- ``weights``: the authors' published draft (:mod:`methods._glide_published`: a small Llama of its own, block i of
+  n reading the target's layer L - n + i, all of the cache seen) instead of one trained here.
 
 Greedy output equals ``ar``'s token for token either way.
 
 Where CaPE here differs from the paper, and why:
 
-- one threshold and a fixed number of extra candidates (``cape_threshold``, ``cape_k``), and the default 0.5 is
-  this harness's choice, not a value from the paper: below it a calibrated draft's top-1 is more likely wrong
-  than right, so that is where one more candidate, one more token for the target to score, is most likely to
-  pay (measured, README: at ``full`` GliDe's draft is below it at 3.9 of 4 positions);
-- siblings are leaves: the chain goes on under the top-1 token only, so the draft runs ``gamma`` forwards per
-  step whatever CaPE adds, and the target scores at most ``gamma * (1 + cape_k)`` tokens (on a CPU a wider
-  target forward is not free).
+- by default one threshold and a fixed number of extra candidates (``cape_threshold``, ``cape_k``); the authors'
+  rule, candidates by the confidence's decile (their runs: 8 below 0.3 down to 2 above 0.8), is ``cape_bins``.
+  The default 0.5 is this harness's choice, not a value from the paper: below it a calibrated draft's top-1 is
+  more likely wrong than right, so that is where one more candidate, one more token for the target to score, is
+  most likely to pay (measured, README: at ``full`` GliDe's draft is below it at 3.9 of 4 positions), while their
+  bins add candidates at every position, sure or not (on a CPU a wider target forward is not free);
+- as in the authors' code, siblings are leaves: the chain goes on under the top-1 token only, so the draft runs
+  ``gamma`` forwards per step whatever CaPE adds.
 """
 
 from __future__ import annotations
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, PositiveInt, model_validator
 from transformers import DynamicCache
 
 from core.errors import BenchError
-from core.model_parts import LEARNED_POSITIONS, target_family
+from core.model_parts import LEARNED_POSITIONS, decoder_layers, target_family
 from decoding.cache import truncate_cache
 from decoding.sampling import draft_token
 from decoding.tree import Tree
@@ -46,6 +49,7 @@ from methods._glide_draft import (
     decode_visible,
     load_or_train_glide,
 )
+from methods._glide_published import load_published_glide, read_layers
 from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
 from training.kv_store import kv_layer
@@ -61,11 +65,18 @@ class GlideSettings(MethodSettings):
                                   "wrong than right)")
     cape_k: int = Field(1, ge=1, description="CaPE: extra candidates per expanded position (each one more token "
                         "the target scores)")
+    cape_bins: list[PositiveInt] | None = Field(
+        None, min_length=11, description="CaPE by the authors' rule instead of cape_threshold and cape_k: a position "
+        "whose top-1 probability is p gets cape_bins[int(10 p)] candidates, its top-1 included (their runs: "
+        "[8, 8, 8, 6, 6, 6, 4, 4, 2, 2, 2, 2]; all 1: no expansion)")
     recipe: GlideRecipe = Field(default_factory=GlideRecipe, description="how the draft is trained")
+    weights: str | None = Field(None, description="the authors' published GliDe draft: a hub id or a local folder "
+                                "in their layout (docs/published.md); null: the draft this harness trains (recipe)")
 
     @model_validator(mode="after")
     def gamma_within_block(self):
-        if self.gamma > self.recipe.block:
+        # The block bounds what a trained draft has seen; the authors' draft reads all of the cache at inference.
+        if self.weights is None and self.gamma > self.recipe.block:
             raise ValueError(f"gamma ({self.gamma}) must not exceed recipe.block ({self.recipe.block}): the draft is "
                              "trained to draft at most that many positions past the target's cache.")
         return self
@@ -84,7 +95,7 @@ class Glide(DraftVerify):
 
     @classmethod
     def trains(cls, pair_spec, settings=None) -> bool:
-        return True  # the draft
+        return not getattr(settings, "weights", None)  # the draft, unless the authors' is read
 
     @classmethod
     def check_pair(cls, settings, pair) -> None:
@@ -99,6 +110,8 @@ class Glide(DraftVerify):
 
     @classmethod
     def check_recipe(cls, settings, recipe) -> None:
+        if getattr(settings, "weights", None):
+            return
         block, seq_len = settings.recipe.block, recipe.store.seq_len
         if seq_len <= block:
             raise BenchError(f"method={cls.name} trains on blocks of method.recipe.block={block} positions, the first "
@@ -106,12 +119,19 @@ class Glide(DraftVerify):
 
     def setup(self, train_if_missing: bool = True) -> None:
         target = self.pair.target.module
-        self.layer = kv_layer(target.config, self.cfg.recipe.layer, "method.recipe.layer")
         GlideDraft(target.config, torch.arange(1))  # a target it cannot glimpse is refused before any store work
-        draft, self.report = load_or_train_glide(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher,
-                                                 train_if_missing)
+        self.published = bool(self.cfg.weights)
+        if self.published:
+            draft, self.report = load_published_glide(self.cfg.weights, target, self.pair.cache)
+            self.layers = read_layers(len(decoder_layers(target)), len(draft.cross))
+        else:
+            layer = kv_layer(target.config, self.cfg.recipe.layer, "method.recipe.layer")
+            draft, self.report = load_or_train_glide(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher,
+                                                     train_if_missing)
+            self.layers = [layer] * len(draft.cross)  # every block reads layer L
         self.draft = self.pair.add(CountedGlide(draft.to(device=self.pair.device, dtype=self.pair.dtype)))
-        self.embed = target.get_input_embeddings()
+        # The authors' draft embeds tokens with its own table; the harness's reads the target's embeddings.
+        self.embed = self.draft.module.embed_tokens if self.published else target.get_input_embeddings()
         self.vocab_map = self.draft.module.vocab_map
 
     # ------------------------------------------------------------------------------------------- the loop
@@ -138,14 +158,16 @@ class Glide(DraftVerify):
         """Feed the draft ``tokens`` at the positions after its cache's, glimpsing the target's cache of the
         committed positions < p; returns the logits ``(V',)`` of the token after the last."""
         p = state.cache.get_seq_length()
-        cached = state.cache.layers[self.layer]
+        kvs = [(state.cache.layers[i].keys, state.cache.layers[i].values) for i in self.layers]
         start = state.dcache.get_seq_length()
         positions = torch.arange(start, start + len(tokens), device=state.device)
         # Tokens read late (the prompt, a fully accepted draft's last token) see the target as training showed
-        # them; the pending token and the drafted ones see all of the cache (None: no mask to build).
-        visible = decode_visible(positions, p, self.cfg.recipe.block)[None] if start < p else None
+        # them; the pending token and the drafted ones see all of the cache (None: no mask to build). The
+        # authors' draft sees all of it whatever it reads, as their inference does.
+        late = start < p and not self.published
+        visible = decode_visible(positions, p, self.cfg.recipe.block)[None] if late else None
         emb = self.embed(torch.tensor([tokens], device=state.device))
-        return self.draft(emb, positions, cached.keys, cached.values, visible, state.dcache, rows=1)[0, -1]
+        return self.draft(emb, positions, kvs, visible, state.dcache, rows=1)[0, -1]
 
     def propose(self, state: State) -> Draft:
         k = min(self.cfg.gamma, state.draft_budget)
@@ -187,19 +209,25 @@ class Glide(DraftVerify):
         state.chain_nodes = list(range(k + 1))  # a chain's nodes are its positions
         return Draft.chain(state.seq[-1], tokens, torch.stack(qs) if qs else None)
 
+    def width(self, confidence: float) -> int:
+        """CaPE's candidates at a position whose top-1 probability is ``confidence``, its top-1 included."""
+        if self.cfg.cape_bins is not None:
+            return self.cfg.cape_bins[min(int(confidence * 10), 10)]
+        return 1 + self.cfg.cape_k if confidence < self.cfg.cape_threshold else 1
+
     def cape(self, state: State, logits: torch.Tensor, k: int) -> Draft:
-        """CaPE: the draft's top-1 chain of ``k`` tokens; where its top-1 probability is below ``cape_threshold``,
-        its next ``cape_k`` tokens too, as siblings of that chain token (deterministic candidates: q = None)."""
+        """CaPE: the draft's top-1 chain of ``k`` tokens, and at each of its positions the draft's next-best tokens
+        as siblings of that chain token, as many as :meth:`width` says for its confidence (deterministic candidates:
+        q = None)."""
         tree, node, expanded = Tree(state.seq[-1]), 0, 0
-        width = min(1 + self.cfg.cape_k, logits.shape[-1])
         for i in range(k):
-            top = torch.softmax(logits.float(), -1).topk(width)
-            ids = self.vocab_map[top.indices].tolist()
+            probs = torch.softmax(logits.float(), -1)
+            width = min(self.width(float(probs.max())), probs.shape[-1])
+            ids = self.vocab_map[probs.topk(width).indices].tolist()
             child = tree.add_child(node, ids[0])
-            if float(top.values[0]) < self.cfg.cape_threshold:
-                for tok in ids[1:]:
-                    tree.add_child(node, tok)
-                expanded += 1
+            for tok in ids[1:]:
+                tree.add_child(node, tok)
+            expanded += width > 1
             node = child
             state.chain_nodes.append(child)
             if i + 1 < k:

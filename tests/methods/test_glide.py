@@ -116,13 +116,14 @@ def test_training_sees_the_target_as_decoding_does(tiny_pair, phase):
     with torch.no_grad():
         cache = target(ids, use_cache=True).cache.layers[-1]
         emb, positions = target.get_input_embeddings()(ids), torch.arange(T)
-        full = draft(emb, positions, cache.keys, cache.values, visible_keys(positions, T, block, phase)[None])
+        full = draft(emb, positions, [(cache.keys, cache.values)] * 2, visible_keys(positions, T, block, phase)[None])
         mine, fed = DynamicCache(), 0
         for p in range((block - phase) % block or block, T, block):  # the pending token's positions: block starts
             for end in range(p + 1, min(p + block, T) + 1):  # first what is unread up to p, then one token at a time
                 rows = torch.arange(fed, end)
                 visible = decode_visible(rows, p, block)[None] if fed < p else None
-                out = draft(emb[:, fed:end], rows, cache.keys[..., :p, :], cache.values[..., :p, :], visible, mine)
+                kvs = [(cache.keys[..., :p, :], cache.values[..., :p, :])] * 2
+                out = draft(emb[:, fed:end], rows, kvs, visible, mine)
                 torch.testing.assert_close(out, full[:, fed:end], atol=1e-5, rtol=1e-5)
                 fed = end
     assert fed == T
@@ -164,6 +165,20 @@ def test_one_target_forward_per_step_and_the_glide_role_counted(pair, looping_pr
         assert out.extra["candidates_per_call"] <= 3
 
 
+def test_cape_by_the_authors_bins(pair, looping_prompt):
+    """``cape_bins``: a position of confidence p gets bins[int(10 p)] candidates. A draft no position of which is
+    sure of itself to 0.9 gets 3 at every position under [3] * 9 + [1, 1]; all ones is no expansion at all."""
+    method = build(pair, "glide", cape_bins=[3] * 9 + [1, 1], gamma=3, recipe={"block": 3})
+    assert [method.width(p) for p in (0.0, 0.05, 0.5, 0.89, 0.9, 1.0)] == [3, 3, 3, 3, 1, 1]
+    out = run(method, looping_prompt, 24)
+    assert 1 <= out.extra["expanded_per_call"] <= 3 and out.extra["candidates_per_call"] <= 9
+    assert_greedy_equal_to_ar(method, [looping_prompt])
+    plain = run(build(pair, "glide", cape_bins=[1] * 12, gamma=3, recipe={"block": 3}), looping_prompt, 24)
+    assert plain.extra["expanded_per_call"] == 0 and plain.output_ids == out.output_ids
+    with pytest.raises(BenchError, match="cape_bins"):
+        Glide.check_settings({"cape_bins": [1] * 10})
+
+
 def test_the_draft_cache_keeps_only_what_was_committed(pair, looping_prompt, monkeypatch):
     """CaPE at every position (threshold 1), so paths often leave the top-1 chain at a sibling: after decoding,
     the draft's cache equals one pass of the draft over the committed text (one block: its self-attention
@@ -186,7 +201,7 @@ def test_the_draft_cache_keeps_only_what_was_committed(pair, looping_prompt, mon
     fresh, target = DynamicCache(), pair.target.module
     with torch.no_grad():
         kv = target(torch.tensor([seq[:n]]), use_cache=True).cache.layers[-1]
-        method.draft.module(method.embed(torch.tensor([seq[:n]])), torch.arange(n), kv.keys, kv.values, None, fresh)
+        method.draft.module(method.embed(torch.tensor([seq[:n]])), torch.arange(n), [(kv.keys, kv.values)], None, fresh)
     torch.testing.assert_close(state.dcache.layers[0].keys, fresh.layers[0].keys, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(state.dcache.layers[0].values, fresh.layers[0].values, atol=1e-4, rtol=1e-4)
 
