@@ -125,13 +125,14 @@ def test_a_distilled_draft_trains_on_the_device(compose_cfg, tmp_path, monkeypat
     assert_greedy_equal_to_ar(build(pair, "sd"), prompts_for(pair, 2), max_new=MAX_NEW)
 
 
-@pytest.mark.parametrize("name", ["medusa", "hydra_pp", "eagle", "eagle3"])
+@pytest.mark.parametrize("name", ["medusa", "hydra_pp", "eagle", "eagle3", "glide"])
 def test_published_drafters_load_on_the_device_and_equal_ar(name, on_device, tmp_path):
     """The authors' published layouts (tiny checkpoints written as the CPU tests write them) converted, moved to the
     device and decoding greedy-equal to ``ar`` in fp32."""
     from tests.methods.heads.test_published import hydra_file, medusa_file
     from tests.methods.test_eagle3_published import eagle3_file
     from tests.methods.test_eagle_published import eagle_file
+    from tests.methods.test_glide_published import glide_file
 
     pair, prompts = on_device("tiny")
     target = pair.target.module
@@ -141,7 +142,8 @@ def test_published_drafters_load_on_the_device_and_equal_ar(name, on_device, tmp
     folder = {"medusa": lambda: medusa_file(tmp_path / name, H, V),
               "hydra_pp": lambda: hydra_file(tmp_path / name, cpu_target, heads=4),
               "eagle": lambda: eagle_file(tmp_path / name, cpu_target)[0],
-              "eagle3": lambda: eagle3_file(tmp_path / name, cpu_target, torch.arange(0, V, 2))[0]}[name]()
+              "eagle3": lambda: eagle3_file(tmp_path / name, cpu_target, torch.arange(0, V, 2))[0],
+              "glide": lambda: glide_file(tmp_path / name, cpu_target, layers=2)[0]}[name]()
     method = build(pair, name, weights=str(folder))
     role = "heads" if name in ("medusa", "hydra_pp") else name
     assert next(method.pair.roles[role].module.parameters()).device.type == torch.device(DEVICE).type
