@@ -18,6 +18,10 @@ Drafting deeper feeds o_t back in place of g (no ``fc``: the width says which on
 vocabulary) are the authors' buffers; submodules and buffers carry the authors' state-dict names, so a published
 EAGLE-3 checkpoint maps onto this module one to one (its ``embed_tokens`` aside: the target's is read).
 
+A published draft may be narrower than its target (the authors' ``target_hidden_size``): the draft is H_d wide,
+the target H_t, ``fc`` maps 3H_t -> H_d, and e_{t+1} is the draft's own token embedding ``embed_tokens (V, H_d)``
+from its file, in place of the target's (H_t wide); everything above reads H as H_d.
+
 Training (the paper's Sec. 3, the authors' ``traineagle3``): the target runs teacher-forced over the teacher
 store's token ids to give the three layers' features (the store keeps only the last hidden states, whose
 head rows give the target's distribution); then the draft is unrolled ``ttt_steps`` times over the whole row:
@@ -153,15 +157,17 @@ def target_features(target, ids: torch.Tensor, layers: tuple[int, ...], batch_si
 # --------------------------------------------------------------------------------------------- the draft
 
 
-def draft_config(target_config, draft_vocab: int) -> LlamaConfig:
+def draft_config(target_config, draft_vocab: int, layer: dict | None = None) -> LlamaConfig:
     """The draft layer's config (the authors' ``config.json``: a one-layer Llama with ``draft_vocab_size``): the
-    target's widths, heads and rotary settings, whatever its family (GPT-2, without rotary: Llama's default)."""
+    target's widths, heads and rotary settings, whatever its family (GPT-2, without rotary: Llama's default).
+    ``layer``: LlamaConfig fields that replace those (a published draft narrower than its target: its own width,
+    heads, ``head_dim``, MLP, norm epsilon and rotary settings)."""
     c = target_config
     hidden, heads = c.hidden_size, c.num_attention_heads
     rope = getattr(c, "rope_parameters", None)
     if not (isinstance(rope, dict) and "rope_type" in rope):  # none, or one per kind of layer
         rope = {"rope_type": "default", "rope_theta": 10000.0}
-    return LlamaConfig(
+    fields = dict(
         hidden_size=hidden,
         intermediate_size=getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden,
         num_hidden_layers=1,
@@ -176,11 +182,12 @@ def draft_config(target_config, draft_vocab: int) -> LlamaConfig:
         draft_vocab_size=draft_vocab,
         tie_word_embeddings=False,
     )
+    return LlamaConfig(**{**fields, **(layer or {})})
 
 
 class Eagle3Attention(nn.Module):
     """The authors' attention: q/k/v read the 2H concatenation, o_proj writes H; rotary and grouped keys and
-    values as the target's (``config``: :func:`draft_config`)."""
+    values as ``config`` (:func:`draft_config`: the target's, or a narrower published draft's own) sets them."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -233,18 +240,28 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Draft(nn.Module):
-    """``fc`` (3H -> H), ``midlayer``, ``norm``, ``lm_head`` (H -> V') and the buffers ``d2t`` (``LongTensor (V',)``:
-    draft row i is target id i + d2t[i]) and ``t2d`` (``BoolTensor (vocab,)``: the target ids it can propose)."""
+    """``fc`` (3H_t -> H), ``midlayer``, ``norm``, ``lm_head`` (H -> V') and the buffers ``d2t`` (``LongTensor (V',)``:
+    draft row i is target id i + d2t[i]) and ``t2d`` (``BoolTensor (vocab,)``: the target ids it can propose).
 
-    def __init__(self, target_config, vocab_map: torch.Tensor):
+    H is the draft's width, H_t the target's: the same unless ``layer`` (:func:`draft_config`'s, kept to rebuild
+    the draft) gives another ``hidden_size``; then the draft also has ``embed_tokens`` (vocab -> H), its own token
+    embedding (else ``None``: the target's is read)."""
+
+    def __init__(self, target_config, vocab_map: torch.Tensor, layer: dict | None = None):
         super().__init__()
         vocab_map = vocab_map.long().cpu()
-        self.config = draft_config(target_config, vocab_map.numel())
+        self.layer = layer
+        self.config = draft_config(target_config, vocab_map.numel(), layer)
         hidden = self.hidden = self.config.hidden_size
-        self.fc = nn.Linear(3 * hidden, hidden, bias=False)
+        self.target_hidden = target_config.hidden_size
+        self.fc = nn.Linear(3 * self.target_hidden, hidden, bias=False)
         self.midlayer = Eagle3Layer(self.config)
         self.norm = LlamaRMSNorm(hidden, eps=self.config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, vocab_map.numel(), bias=False)
+        # The target's embedding is H_t wide: a draft of another width was trained on an embedding of its own.
+        self.embed_tokens = None
+        if hidden != self.target_hidden:
+            self.embed_tokens = nn.Embedding(target_config.vocab_size, hidden).requires_grad_(False)
         t2d = torch.zeros(target_config.vocab_size, dtype=torch.bool)
         t2d[vocab_map] = True
         self.register_buffer("d2t", vocab_map - torch.arange(vocab_map.numel()))
@@ -268,16 +285,18 @@ class Eagle3Draft(nn.Module):
         return self.lm_head(self.norm(out))
 
     def feature(self, feats: torch.Tensor) -> torch.Tensor:
-        """The layer's input feature: ``fc`` over the target's fused ``(..., 3H)``, the draft's own ``(..., H)`` as is."""
-        if feats.shape[-1] == 3 * self.hidden:
-            return self.fc(feats)
-        if feats.shape[-1] != self.hidden:
-            raise ValueError(f"features of width {feats.shape[-1]}: the draft reads 3 x {self.hidden} or {self.hidden}")
-        return feats
+        """The layer's input feature: ``fc`` over the target's fused ``(..., 3H_t)``, the draft's own ``(..., H)`` as
+        is (told apart by their width, as the authors' ``forward`` does)."""
+        if feats.shape[-1] == self.hidden:
+            return feats
+        if feats.shape[-1] != 3 * self.target_hidden:
+            raise ValueError(f"features of width {feats.shape[-1]}: the draft reads 3 x {self.target_hidden} or "
+                             f"{self.hidden}")
+        return self.fc(feats)
 
     def forward(self, feats: torch.Tensor, emb: torch.Tensor, cache=None, attention_mask=None,
                 position_ids=None) -> torch.Tensor:
-        """``feats (B, n, 3H or H)`` at n positions and ``emb (B, n, H)`` the embeddings of the tokens after them ->
+        """``feats (B, n, 3H_t or H)`` at n positions and ``emb (B, n, H)`` the embeddings of the tokens after them ->
         ``(B, n, H)`` the layer's outputs. ``cache``: a ``DynamicCache`` of the earlier positions, extended in place
         (``None``: the whole sequence at once); ``attention_mask``: additive ``(1, 1, n, past + n)`` (``None``:
         causal); ``position_ids (1, n)`` (``None``: past .. past + n - 1)."""
@@ -298,9 +317,9 @@ class Eagle3Draft(nn.Module):
 
 
 class CountedEagle3(Counted):
-    """The ``eagle3`` role: ``draft(feats (1, n, 3H or H), emb (1, n, H), cache, rows, **kw)`` returns the outputs
+    """The ``eagle3`` role: ``draft(feats (1, n, 3H_t or H), emb (1, n, H), cache, rows, **kw)`` returns the outputs
     ``(1, n, H)`` and the logits ``(1, rows, V')`` of the last ``rows`` positions, counted as such: the layer, norm and
-    head by :mod:`core.flops`' formula, ``fc`` (3H x H) only on the calls that read the target's features."""
+    head by :mod:`core.flops`' formula, ``fc`` (3H_t x H) only on the calls that read the target's features."""
 
     def __init__(self, draft: Eagle3Draft):
         super().__init__(draft, "eagle3", draft.config)

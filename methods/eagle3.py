@@ -62,7 +62,9 @@ class Eagle3(Eagle):
             draft, self.report = load_or_train_eagle3(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher,
                                                       train_if_missing)
         self.draft = self.pair.add(CountedEagle3(draft.to(device=self.pair.device, dtype=self.pair.dtype)))
-        self.embed = target.get_input_embeddings()
+        # A published draft narrower than its target carries its own token embedding; every other reads the target's.
+        own = self.draft.module.embed_tokens
+        self.embed = own if own is not None else target.get_input_embeddings()
         self.vocab_map = self.draft.module.vocab_map
 
     class State(Eagle.State):

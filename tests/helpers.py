@@ -69,6 +69,34 @@ def repeating_prompt(pair):
     return pair.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def one_layer_pair(tiny_pair, seed=0):
+    """The tiny pair with a random one-layer Llama target of the same sizes (``pair.target.module``), no draft
+    models and a role table of its own: a published drafter written from that very layer is right most of the
+    time, so a sampling test with it has power."""
+    import dataclasses
+
+    from transformers import LlamaForCausalLM
+
+    from core.counting import CountedLM
+
+    config = tiny_pair.target.module.config
+    cut = config.__class__.from_dict({**config.to_dict(), "num_hidden_layers": 1})
+    cut._attn_implementation = config._attn_implementation
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cut).eval()
+    return dataclasses.replace(tiny_pair, target=CountedLM(model, "target"), drafts=[], roles={})
+
+
+def assert_published_follows_the_target(pair, folder, name, **settings):
+    """Method ``name`` with the published weights in ``folder`` on a prompt the target continues in a loop: greedy
+    equal to ``ar``, and sampling its exact distribution (:func:`assert_sampling_is_the_targets`)."""
+    method = build(pair, name, weights=str(folder), **settings)
+    ids = repeating_prompt(pair)
+    ids += decode(pair, "ar", ids, max_new=30).output_ids
+    assert_greedy_equal_to_ar(method, [ids], max_new=24)
+    assert_sampling_is_the_targets(method, ids, n=150)
+
+
 # ------------------------------------------------------------------------------- lossless: the two checks
 
 

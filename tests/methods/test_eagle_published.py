@@ -17,7 +17,13 @@ from torch import nn
 from core.checkpoints import Checkpoint
 from core.errors import BenchError
 from methods._eagle_published import FILES, WHAT, eagle_layer
-from tests.helpers import assert_greedy_equal_to_ar, assert_sampling_is_the_targets, build, prompts_for
+from tests.helpers import (
+    assert_greedy_equal_to_ar,
+    assert_published_follows_the_target,
+    build,
+    one_layer_pair,
+    prompts_for,
+)
 
 
 @pytest.fixture()
@@ -135,15 +141,9 @@ def one_layer(tiny_pair, tmp_path):
     (``fc`` selects the embedding; no input norm then changes nothing): the draft is right most of the time and
     wrong some of it (it lacks the first token's key, and it skips the target's final norm), so the sampling test
     has power. Returns the pair and the folder."""
-    from transformers import LlamaForCausalLM
-
-    from core.counting import CountedLM
-
-    config = tiny_pair.target.module.config
-    cut = config.__class__.from_dict({**config.to_dict(), "num_hidden_layers": 1})
-    cut._attn_implementation = config._attn_implementation
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cut).eval()
+    pair = one_layer_pair(tiny_pair)
+    model = pair.target.module
+    cut = model.config
     H = cut.hidden_size
     with torch.no_grad():
         emb = model.get_input_embeddings().weight
@@ -159,19 +159,12 @@ def one_layer(tiny_pair, tmp_path):
         "num_attention_heads": cut.num_attention_heads, "num_key_value_heads": cut.num_key_value_heads,
         "vocab_size": cut.vocab_size, "rms_norm_eps": cut.rms_norm_eps}))
     torch.save(tensors, folder / "pytorch_model.bin")
-    return dataclasses.replace(tiny_pair, target=CountedLM(model, "target"), drafts=[], roles={}), folder
+    return pair, folder
 
 
 @pytest.mark.parametrize("draft", ["tree", "static"])  # EAGLE-2's dynamic tree, EAGLE-1's static one
 def test_sampling_with_published_weights_follows_the_target(one_layer, draft):
-    from tests.helpers import decode, repeating_prompt
-
-    pair, folder = one_layer
-    method = build(pair, "eagle", weights=str(folder), draft=draft)
-    ids = repeating_prompt(pair)
-    ids += decode(pair, "ar", ids, max_new=30).output_ids
-    assert_greedy_equal_to_ar(method, [ids], max_new=24)
-    assert_sampling_is_the_targets(method, ids, n=150)
+    assert_published_follows_the_target(*one_layer, "eagle", draft=draft)
 
 
 def refusal(pair, folder) -> str:

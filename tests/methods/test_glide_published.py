@@ -18,7 +18,13 @@ from torch import nn
 from core.checkpoints import Checkpoint
 from core.errors import BenchError
 from methods._glide_published import FILES, WHAT, published_glide, read_layers
-from tests.helpers import assert_greedy_equal_to_ar, assert_sampling_is_the_targets, build, prompts_for
+from tests.helpers import (
+    assert_greedy_equal_to_ar,
+    assert_published_follows_the_target,
+    build,
+    one_layer_pair,
+    prompts_for,
+)
 from tests.methods.test_eagle_published import rms, rotate
 
 
@@ -158,15 +164,9 @@ def one_layer(tiny_pair, tmp_path):
     """A one-layer target, and a GliDe file that is that very layer (its embedding, attention, MLP, norms and head)
     plus a small random glimpse of the target's cache: its proposals are right most of the time and wrong some of
     it, so the sampling test has power. Returns the pair and the folder."""
-    from transformers import LlamaForCausalLM
-
-    from core.counting import CountedLM
-
-    config = tiny_pair.target.module.config
-    cut = config.__class__.from_dict({**config.to_dict(), "num_hidden_layers": 1})
-    cut._attn_implementation = config._attn_implementation
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cut).eval()
+    pair = one_layer_pair(tiny_pair)
+    model = pair.target.module
+    cut = model.config
     H = cut.hidden_size
     tensors = {f"model.{k}": v.detach().clone() for k, v in model.model.state_dict().items()}
     tensors["lm_head.weight"] = model.lm_head.weight.detach().clone()
@@ -181,19 +181,12 @@ def one_layer(tiny_pair, tmp_path):
         "vocab_size": cut.vocab_size, "rms_norm_eps": cut.rms_norm_eps, "large_hidden_size": H,
         "large_num_attention_heads": cut.num_attention_heads}))
     torch.save(tensors, folder / "pytorch_model.bin")
-    return dataclasses.replace(tiny_pair, target=CountedLM(model, "target"), drafts=[], roles={}), folder
+    return pair, folder
 
 
 @pytest.mark.parametrize("cape", [True, False])
 def test_sampling_with_published_weights_follows_the_target(one_layer, cape):
-    from tests.helpers import decode, repeating_prompt
-
-    pair, folder = one_layer
-    method = build(pair, "glide", weights=str(folder), cape=cape)
-    ids = repeating_prompt(pair)
-    ids += decode(pair, "ar", ids, max_new=30).output_ids
-    assert_greedy_equal_to_ar(method, [ids], max_new=24)
-    assert_sampling_is_the_targets(method, ids, n=150)
+    assert_published_follows_the_target(*one_layer, "glide", cape=cape)
 
 
 def refusal(pair, folder) -> str:
