@@ -78,7 +78,7 @@ class Checkpoint:
     """One published checkpoint folder: its ``config.json`` (``{}`` when it has none) and the tensors of the first
     of ``files`` it holds. A mapping takes each tensor once; :meth:`finish` refuses leftovers.
 
-    ``what`` names the layout in messages (``"Medusa heads"``).
+    ``what`` names the layout in messages (``"Medusa heads"``: "not a Medusa heads checkpoint").
     """
 
     def __init__(self, folder: Path, files: tuple[str, ...], what: str):
@@ -120,12 +120,12 @@ class Checkpoint:
     def take(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor ``key``, which must have ``shape``; marked as used."""
         if key not in self.tensors:
-            raise BenchError(f"{self.file} has no tensor '{key}', which {self.what} need: another layout, or not "
-                             f"{self.what}.")
+            raise BenchError(f"{self.file} has no tensor '{key}', which {self.what} checkpoints hold: another layout, "
+                             "or another kind of checkpoint.")
         value = self.tensors[key]
         if tuple(value.shape) != tuple(shape):
-            raise BenchError(f"{self.file}: '{key}' has shape {tuple(value.shape)}, not {tuple(shape)}: these "
-                             f"{self.what} were made for a model of other sizes than this target.")
+            raise BenchError(f"{self.file}: '{key}' has shape {tuple(value.shape)}, not {tuple(shape)}: this "
+                             f"{self.what} checkpoint was made for a model of other sizes than this target.")
         self.taken.add(key)
         return value
 
@@ -141,16 +141,16 @@ class Checkpoint:
         """The config's ``base_model_name_or_path`` (when it has one) names the pair's target (when it has a name)."""
         base = self.config.get("base_model_name_or_path")
         if base and target_name and not same_model(base, target_name):
-            raise BenchError(f"{self.folder / 'config.json'} says these {self.what} were trained for '{base}', but "
-                             f"the pair's target is '{target_name}'.")
+            raise BenchError(f"{self.folder / 'config.json'} says this {self.what} checkpoint was trained for "
+                             f"'{base}', but the pair's target is '{target_name}'.")
 
     def finish(self) -> None:
         """Every tensor of the file was taken: anything left is a layout this mapping does not know."""
         left = sorted(set(self.tensors) - self.taken)
         if left:
             more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
-            raise BenchError(f"{self.file} holds '{left[0]}'{more}, which {self.what} do not have: another layout "
-                             "or another method's checkpoint.")
+            raise BenchError(f"{self.file} holds '{left[0]}'{more}, which {self.what} checkpoints do not: another "
+                             "layout or another method's checkpoint.")
 
     def report(self) -> dict:
         """What a run records about the weights it used."""
