@@ -159,13 +159,16 @@ class Checkpoint:
 
 
 def load_converted(ck: Checkpoint, method: str, target, cache, convert: Callable[[], object],
-                   save: Callable[[object], dict], load: Callable[[dict], object]) -> tuple[object, dict]:
+                   save: Callable[[object], dict], load: Callable[[dict], object],
+                   reader: int = 1) -> tuple[object, dict]:
     """The checkpoint ``ck`` converted for ``method`` once and cached (``cache_dir/published/<method>-<folder>/``),
-    keyed by the file's SHA-256 and the target's weights, so another file, or the same file for another target, is
-    converted and checked anew. ``convert()`` reads ``ck`` into the method's modules, ``save(made)`` is what the
+    keyed by the file's SHA-256, the target's weights and ``reader`` (the version of the method's reading of the
+    layout, raised when it changes what a file converts to), so another file, the same file for another target, or
+    one converted by an earlier reading is converted and checked anew. ``convert()`` reads ``ck`` into the method's modules, ``save(made)`` is what the
     cached file holds (read back with ``weights_only``), ``load(blob)`` rebuilds the modules from it. Returns them
     and the build report (the folder, file, checksum and config read)."""
-    key = {"file": ck.file.name, "sha256": ck.sha256, "method": method, "target": model_fingerprint(target)}
+    key = {"file": ck.file.name, "sha256": ck.sha256, "method": method, "target": model_fingerprint(target),
+           "reader": reader}
 
     def build(folder: Path) -> dict:
         torch.save(save(convert()), folder / "converted.pt")

@@ -39,6 +39,7 @@ from methods._eagle3_draft import Eagle3Draft
 
 FILES = ("pytorch_model.bin", "model.safetensors")
 WHAT = "EAGLE-3 draft"
+READER = 2  # 2: the layer built from the file's own config (1 built it from the target's)
 
 
 def draft_vocab(ck: Checkpoint, vocab: int) -> torch.Tensor:
@@ -134,10 +135,9 @@ def load_published_eagle3(weights: str, target, cache) -> tuple[Eagle3Draft, dic
 
     def load(blob: dict) -> Eagle3Draft:
         d2t = blob["state"]["d2t"]
-        # "layer": a narrower draft's own sizes (None, or absent from earlier blobs: the target's).
-        draft = Eagle3Draft(target.config, torch.arange(d2t.numel()) + d2t, blob.get("layer"))
+        draft = Eagle3Draft(target.config, torch.arange(d2t.numel()) + d2t, blob["layer"])
         draft.load_state_dict(blob["state"])
         return draft.eval()
 
     return load_converted(ck, "eagle3", target, cache, lambda: eagle3_draft(ck, target),
-                          lambda draft: {"state": draft.state_dict(), "layer": draft.layer}, load)
+                          lambda draft: {"state": draft.state_dict(), "layer": draft.layer}, load, reader=READER)

@@ -243,6 +243,9 @@ def test_a_narrower_draft_comes_back_from_its_cache_the_same(pair, tmp_path, mon
         with torch.no_grad():
             torch.testing.assert_close(draft.logits(draft(fused, draft.embed_tokens(ids))),
                                        read.logits(read(fused, read.embed_tokens(ids))))
+    monkeypatch.setattr(published, "READER", published.READER + 1)  # a newer reading of the layout
+    with pytest.raises(pytest.fail.Exception, match="converted again"):
+        load_published_eagle3(str(folder), target, pair.cache)  # does not take what an older one converted
 
 
 def test_a_narrower_drafts_mismatches_are_one_sentence(pair, tmp_path):
