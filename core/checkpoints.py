@@ -133,8 +133,9 @@ class Checkpoint:
         """``config.json``'s ``name`` (``default`` when absent; a value of another type is one sentence)."""
         value = self.config.get(name, default)
         if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
-            what = getattr(kind, "__name__", kind)
-            raise BenchError(f"{self.folder / 'config.json'}: '{name}' is {value!r}, not a {what}.")
+            names = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+            what = " or ".join(names.get(k, k.__name__) for k in (kind if isinstance(kind, tuple) else (kind,)))
+            raise BenchError(f"{self.folder / 'config.json'}: '{name}' is {value!r}, not {what}.")
         return value
 
     def check_base(self, target_name: str | None) -> None:

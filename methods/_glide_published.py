@@ -108,12 +108,14 @@ def draft_config(ck: Checkpoint, target) -> LlamaConfig:
         raise BenchError(f"{path} says model_type: {ck.config['model_type']}; a {WHAT} is a Llama.")
     tc = target.config
     attn = decoder_layers(target)[0].self_attn
-    want = {"vocab_size": tc.vocab_size, "large_hidden_size": tc.num_attention_heads * attn.head_dim,
-            "large_num_attention_heads": tc.num_attention_heads}
-    for name, value in want.items():
-        if ck.field(name) != value:
-            raise BenchError(f"{path} says {name}: {ck.config[name]}, but this target's is {value}: this {WHAT} was "
-                             "made for another model.")
+    # (field, this target's value, the authors' config default: Vicuna-7B's attention sizes)
+    want = (("vocab_size", tc.vocab_size, 32000), ("large_hidden_size", tc.num_attention_heads * attn.head_dim, 4096),
+            ("large_num_attention_heads", tc.num_attention_heads, 32))
+    for name, value, default in want:
+        if (read := ck.field(name, default)) != value:
+            said = "says" if name in ck.config else "leaves out, so the authors' code reads"
+            raise BenchError(f"{path} {said} {name}: {read}, but this target's is {value}: this {WHAT} was made for "
+                             "another model.")
     layers, target_layers = ck.field("num_hidden_layers"), len(decoder_layers(target))
     if not 1 <= layers <= target_layers:
         raise BenchError(f"{path} says num_hidden_layers: {layers}; a {WHAT} reads one target layer per block, and "

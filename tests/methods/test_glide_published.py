@@ -217,7 +217,13 @@ def test_mismatches_are_one_sentence(pair, tmp_path):
     folder, _ = glide_file(tmp_path / "qwen", target, config_over={"model_type": "qwen2"})
     assert "model_type: qwen2" in refusal(pair, folder)
     folder, _ = glide_file(tmp_path / "nolarge", target, config_over={"large_hidden_size": None})
-    assert "'large_hidden_size' is None, not a int" in refusal(pair, folder)
+    assert "'large_hidden_size' is None, not an integer." in refusal(pair, folder)
+    folder, _ = glide_file(tmp_path / "default", target)
+    config = json.loads((folder / "config.json").read_text())
+    del config["large_num_attention_heads"]  # the authors' default, 32 (Vicuna-7B's), is read
+    (folder / "config.json").write_text(json.dumps(config))
+    assert ("leaves out, so the authors' code reads large_num_attention_heads: 32, but this target's is "
+            f"{c.num_attention_heads}") in refusal(pair, folder)
     (tmp_path / "noconfig").mkdir()
     torch.save({}, tmp_path / "noconfig" / "pytorch_model.bin")
     assert "has no config.json" in refusal(pair, tmp_path / "noconfig")
