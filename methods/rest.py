@@ -191,13 +191,20 @@ class Rest(DraftVerify):
         """The longest suffix of ``context`` (at most ``max_span``, at least ``min_span`` tokens) found in the
         datastore, and the continuations of its first ``matches`` occurrences ``(m, long)`` (``0`` and none
         when no suffix is found)."""
-        top = min(self.cfg.max_span, len(context))
-        for span in range(top, self.cfg.min_span - 1, -1):
+        # Where a suffix is found every shorter one is too (it ends the same occurrence), so the longest found is a
+        # binary search over the lengths: the same answer as trying them longest first, in ~4 searches, not ~15.
+        shortest, longest, found = self.cfg.min_span, min(self.cfg.max_span, len(context)), None
+        while shortest <= longest:
+            span = (shortest + longest) // 2
             lo, hi = match_range(self.tokens, self.sa, context[-span:])
             if hi > lo:
-                rows = (lo, min(hi, lo + self.cfg.matches))
-                return span, continuations(self.tokens, self.sa, rows, span, self.cfg.long)
-        return 0, np.zeros((0, self.cfg.long), dtype=np.int64)
+                found, shortest = (span, lo, hi), span + 1
+            else:
+                longest = span - 1
+        if found is None:
+            return 0, np.zeros((0, self.cfg.long), dtype=np.int64)
+        span, lo, hi = found
+        return span, continuations(self.tokens, self.sa, (lo, min(hi, lo + self.cfg.matches)), span, self.cfg.long)
 
     def propose(self, state: State) -> Draft:
         tree = Tree(state.seq[-1])

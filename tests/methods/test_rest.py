@@ -106,6 +106,28 @@ def test_a_changed_file_is_a_new_datastore(pair, looping_file):
     assert second.report["tokens"] != first.report["tokens"]
 
 
+def test_retrieval_finds_the_longest_suffix_in_the_datastore(pair, looping_file):
+    """The binary search over suffix lengths gives what trying them longest first gives: the longest suffix of
+    ``min_span`` .. ``max_span`` tokens that occurs in the datastore, and its continuations."""
+    method = build(pair, "rest", datastore=str(looping_file), min_span=2, max_span=12)
+    tokens, sa = method.tokens, method.sa
+    rng = np.random.default_rng(0)
+    starts, lengths, noise = rng.integers(0, len(tokens) - 20, 60), rng.integers(1, 16, 60), rng.integers(0, 3, 60)
+    contexts = [tokens[i : i + n].tolist() + [int(t) for t in rng.integers(0, 250, k)]
+                for i, n, k in zip(starts, lengths, noise)]
+    spans = set()
+    for context in contexts:
+        longest = next((s for s in range(min(12, len(context)), 1, -1)
+                        if np.diff(match_range(tokens, sa, context[-s:]))[0] > 0), 0)
+        span, rows = method.retrieve(context)
+        assert span == longest
+        if span:
+            want = continuations(tokens, sa, match_range(tokens, sa, context[-span:]), span, method.cfg.long)
+            assert np.array_equal(rows, want[: method.cfg.matches])
+        spans.add(span)
+    assert 0 in spans and len(spans) >= 4  # no match, and matches of several lengths
+
+
 @pytest.mark.parametrize("over, words", [
     ({"min_span": 5, "max_span": 3}, "min_span (5) must not exceed max_span (3)"),
     ({"datastore": "/nowhere/store.txt"}, "neither a packaged corpus (lee, wiki, lee+wiki), answers, nor a file"),
