@@ -132,9 +132,10 @@ class Checkpoint:
     def field(self, name: str, default=None, kind: type | tuple = int):
         """``config.json``'s ``name`` (``default`` when absent; a value of another type is one sentence)."""
         value = self.config.get(name, default)
-        if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds:  # True is an int to Python
             names = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
-            what = " or ".join(names.get(k, k.__name__) for k in (kind if isinstance(kind, tuple) else (kind,)))
+            what = " or ".join(names.get(k, k.__name__) for k in kinds)
             raise BenchError(f"{self.folder / 'config.json'}: '{name}' is {value!r}, not {what}.")
         return value
 
@@ -165,9 +166,9 @@ def load_converted(ck: Checkpoint, method: str, target, cache, convert: Callable
     """The checkpoint ``ck`` converted for ``method`` once and cached (``cache_dir/published/<method>-<folder>/``),
     keyed by the file's SHA-256, the target's weights and ``reader`` (the version of the method's reading of the
     layout, raised when it changes what a file converts to), so another file, the same file for another target, or
-    one converted by an earlier reading is converted and checked anew. ``convert()`` reads ``ck`` into the method's modules, ``save(made)`` is what the
-    cached file holds (read back with ``weights_only``), ``load(blob)`` rebuilds the modules from it. Returns them
-    and the build report (the folder, file, checksum and config read)."""
+    one converted by an earlier reading is converted and checked anew. ``convert()`` reads ``ck`` into the method's
+    modules, ``save(made)`` is what the cached file holds (read back with ``weights_only``), ``load(blob)`` rebuilds
+    the modules from it. Returns them and the build report (the folder, file, checksum and config read)."""
     key = {"file": ck.file.name, "sha256": ck.sha256, "method": method, "target": model_fingerprint(target),
            "reader": reader}
 

@@ -58,18 +58,20 @@ def draft_vocab(ck: Checkpoint, vocab: int) -> torch.Tensor:
 
 
 def rotary(ck: Checkpoint) -> dict:
-    """A published draft's rotary settings (transformers' ``rope_parameters``) as the authors' attention reads them:
-    base ``rope_theta`` (10000 when absent), and ``rope_scaling`` none or ``{"type": "linear", "factor": f}``
-    (positions divided by f)."""
-    theta = float(ck.field("rope_theta", 10000.0, (int, float)))
+    """A published draft's rotary settings (transformers' ``rope_parameters``) as the authors' attention
+    (``cnets.py``'s ``_init_rope``) builds them: no ``rope_scaling``: base ``rope_theta`` (10000 when absent);
+    ``{"type": "linear", "factor": f}``: positions divided by f at base 10000, whatever ``rope_theta`` says (their
+    linear rotary is built without it)."""
     scaling = ck.config.get("rope_scaling")
     if scaling is None:
-        return {"rope_type": "default", "rope_theta": theta}
+        return {"rope_type": "default", "rope_theta": float(ck.field("rope_theta", 10000.0, (int, float)))}
     factor = scaling.get("factor") if isinstance(scaling, dict) and scaling.get("type") == "linear" else None
     if isinstance(factor, (int, float)) and factor > 0:
-        return {"rope_type": "linear", "factor": float(factor), "rope_theta": theta}
-    raise BenchError(f"{ck.folder / 'config.json'} says rope_scaling: {json.dumps(scaling)}; an {WHAT} is read with no "
-                     'rope_scaling or {"type": "linear", "factor": f} only, as the authors\' layer reads it.')
+        return {"rope_type": "linear", "factor": float(factor), "rope_theta": 10000.0}
+    # Their "dynamic" rescales by the length their cache has reached, which transformers' dynamic rotary does not.
+    raise BenchError(f"{ck.folder / 'config.json'} says rope_scaling: {json.dumps(scaling)}; an {WHAT} is read here "
+                     'with no rope_scaling or {"type": "linear", "factor": f} only (the authors\' dynamic scaling is '
+                     "not transformers').")
 
 
 def layer_fields(ck: Checkpoint, hidden: int) -> dict:

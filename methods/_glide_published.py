@@ -7,19 +7,23 @@ hub copy is ``cxdu/glide-vicuna7b``, for ``lmsys/vicuna-7b-v1.5``):
 
 - ``config.json``: a Llama config of the draft (``hidden_size``, ``num_hidden_layers``, heads, ``intermediate_size``,
   ``vocab_size``, ...) with the target's attention sizes, ``large_hidden_size`` and ``large_num_attention_heads``
-  (the training-only ``block_size``, ``large_head_dim`` and ``use_remap`` may be there too);
+  (the training-only ``block_size``, ``large_head_dim`` and ``use_remap`` may be there too; an absent field
+  takes their ``smallLlamaConfig``'s default, Vicuna-7B's sizes);
 - ``pytorch_model.bin`` or ``model.safetensors``: ``model.embed_tokens`` (the draft's own, V x h),
   ``model.layers.{i}.{input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.*}`` (a Llama decoder
   layer at the draft's width h), ``model.layers.{i}.cross_attn.q_proj (H, h)`` and ``.o_proj (h, H)`` (H the target's
-  attention width), ``model.norm``, ``lm_head (V, h)`` over the whole vocabulary.
+  attention width), ``model.norm``, ``lm_head (V, h)`` over the whole vocabulary. (Their training script's own
+  save, the joint model's ``small_model.*`` / ``large_model.*`` state dict, is another layout and is refused.)
 
 What their code computes, reproduced here (:class:`PublishedGlide`): per block
 ``x = x + SelfAttn(norm_1(x)); x = x + CrossAttn(x); x = x + MLP(norm_2(x))``, the cross-attention without a norm in
 front, its queries rotated at their own positions to meet the target's post-rotary keys; block i of n reads the
 target's cached keys and values of layer ``L - n + i`` (L the target's layers: the last n, a one-block draft the
 last layer), all of the cache at inference (the block mask is training's only); then the final norm and the
-draft's head. The authors' loader is ``from_pretrained`` (missing keys initialised at random with a warning);
-here every tensor is taken with its shape and nothing may be left over.
+draft's head. After each verification their loop rolls the draft's own cache back to the pending token and has it
+read again, with the accepted tokens and the next pending one, against the target's extended cache
+(:meth:`methods.glide.Glide.accepted`). The authors' loader is ``from_pretrained`` (missing keys initialised at
+random with a warning); here every tensor is taken with its shape and nothing may be left over.
 
 One difference, kept on purpose: their cross-attention builds its own rotary with base 10000 (the Vicuna targets'),
 here the target's own rotary rotates the queries, which is the same for those targets and meets the keys of any
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -44,9 +49,23 @@ from methods._glide_draft import CrossAttention
 FILES = ("pytorch_model.bin", "model.safetensors")
 WHAT = "GliDe draft"
 # The config fields that shape the draft's own Llama (the rest of the authors' config is training-only).
+# Their layers have no biases and heads hidden_size / num_attention_heads wide, whatever a config says (no
+# attention_bias, mlp_bias or head_dim is read); an absent field takes their default, which is LlamaConfig's.
 DRAFT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
-                "rope_theta", "rope_scaling", "attention_bias", "mlp_bias", "tie_word_embeddings")
+                "num_key_value_heads", "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+                "rope_scaling", "tie_word_embeddings")
+
+
+def target_rotary(target) -> tuple[Callable, nn.Module]:
+    """The target family's ``apply_rotary_pos_emb`` and its rotary module, which the glimpse's queries are rotated
+    with; a target without them is one sentence."""
+    attn = decoder_layers(target)[0].self_attn
+    apply = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
+    rotary = getattr(target.get_decoder(), "rotary_emb", None)
+    if apply is None or rotary is None:
+        raise BenchError(f"method=glide needs a target with rotary attention in Llama-style decoder layers; this "
+                         f"target's are {type(attn).__name__} ({target.config.model_type}).")
+    return apply, rotary
 
 
 def read_layers(n_target: int, n_draft: int) -> list[int]:
@@ -65,12 +84,11 @@ class PublishedGlide(nn.Module):
         self.config = config
         config._attn_implementation = target.config._attn_implementation
         self.body = LlamaModel(config).float()
-        attn = decoder_layers(target)[0].self_attn
-        rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        heads = target.config.num_attention_heads
-        self.cross = nn.ModuleList(CrossAttention(config.hidden_size, heads, attn.head_dim, rotary)
+        apply, rotary = target_rotary(target)
+        heads, head_dim = target.config.num_attention_heads, decoder_layers(target)[0].self_attn.head_dim
+        self.cross = nn.ModuleList(CrossAttention(config.hidden_size, heads, head_dim, apply)
                                    for _ in range(config.num_hidden_layers))
-        self.target_rotary = copy.deepcopy(target.get_decoder().rotary_emb).float()  # no weights: frequencies only
+        self.target_rotary = copy.deepcopy(rotary).float()  # no weights: frequencies only
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("vocab_map", torch.arange(config.vocab_size), persistent=False)
 
@@ -116,12 +134,12 @@ def draft_config(ck: Checkpoint, target) -> LlamaConfig:
             said = "says" if name in ck.config else "leaves out, so the authors' code reads"
             raise BenchError(f"{path} {said} {name}: {read}, but this target's is {value}: this {WHAT} was made for "
                              "another model.")
-    layers, target_layers = ck.field("num_hidden_layers"), len(decoder_layers(target))
+    layers, target_layers = ck.field("num_hidden_layers", 32), len(decoder_layers(target))
     if not 1 <= layers <= target_layers:
         raise BenchError(f"{path} says num_hidden_layers: {layers}; a {WHAT} reads one target layer per block, and "
                          f"this target has {target_layers}.")
-    for name in ("hidden_size", "intermediate_size", "num_attention_heads"):
-        ck.field(name)
+    for name, default in (("hidden_size", 4096), ("intermediate_size", 11008), ("num_attention_heads", 32)):
+        ck.field(name, default)  # an integer when given (their defaults, LlamaConfig's, when not)
     try:
         return LlamaConfig(**{k: ck.config[k] for k in DRAFT_FIELDS if k in ck.config})
     except (TypeError, ValueError) as err:

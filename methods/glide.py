@@ -66,12 +66,23 @@ class GlideSettings(MethodSettings):
     cape_k: int = Field(1, ge=1, description="CaPE: extra candidates per expanded position (each one more token "
                         "the target scores)")
     cape_bins: list[PositiveInt] | None = Field(
-        None, min_length=11, description="CaPE by the authors' rule instead of cape_threshold and cape_k: a position "
-        "whose top-1 probability is p gets cape_bins[int(10 p)] candidates, its top-1 included (their runs: "
-        "[8, 8, 8, 6, 6, 6, 4, 4, 2, 2, 2, 2]; all 1: no expansion)")
+        None, min_length=11, description="CaPE by the authors' rule, in place of cape_threshold and cape_k: a "
+        "position whose top-1 probability is p gets cape_bins[int(10 p)] candidates, its top-1 included; never "
+        "more for a surer position (their runs: [8, 8, 8, 6, 6, 6, 4, 4, 2, 2, 2, 2]; all 1: no expansion)")
     recipe: GlideRecipe = Field(default_factory=GlideRecipe, description="how the draft is trained")
     weights: str | None = Field(None, description="the authors' published GliDe draft: a hub id or a local folder "
                                 "in their layout (docs/published.md); null: the draft this harness trains (recipe)")
+
+    @model_validator(mode="after")
+    def bins_are_capes(self):
+        if self.cape_bins is not None and not self.cape:
+            raise ValueError("cape_bins is CaPE's rule; with cape=false nothing would read it")
+        # Their code takes the top-k of the least sure position and cuts each position's from it: a surer position
+        # never gets more.
+        if self.cape_bins is not None and any(b > a for a, b in zip(self.cape_bins, self.cape_bins[1:])):
+            raise ValueError(f"cape_bins {self.cape_bins} grows with the confidence; the authors' rule gives a surer "
+                             "position no more candidates than a less sure one")
+        return self
 
     @model_validator(mode="after")
     def gamma_within_block(self):
@@ -119,12 +130,12 @@ class Glide(DraftVerify):
 
     def setup(self, train_if_missing: bool = True) -> None:
         target = self.pair.target.module
-        GlideDraft(target.config, torch.arange(1))  # a target it cannot glimpse is refused before any store work
         self.published = bool(self.cfg.weights)
         if self.published:
             draft, self.report = load_published_glide(self.cfg.weights, target, self.pair.cache)
             self.layers = read_layers(len(decoder_layers(target)), len(draft.cross))
         else:
+            GlideDraft(target.config, torch.arange(1))  # a target it cannot glimpse is refused before any store work
             layer = kv_layer(target.config, self.cfg.recipe.layer, "method.recipe.layer")
             draft, self.report = load_or_train_glide(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher,
                                                      train_if_missing)
@@ -181,6 +192,11 @@ class Glide(DraftVerify):
         return draft
 
     def accepted(self, state: State, draft: Draft, path: list[int], hidden) -> None:
+        if self.published:
+            # The authors' loop rolls its draft back to the pending token and has it read that token and the
+            # accepted ones again, now against the target's cache of them (SpecInfer's way, their comment says).
+            truncate_cache(state.dcache, state.past)
+            return
         # The draft read the pending token and its chain at positions past, past + 1, ...; a path that left the
         # chain at a CaPE sibling keeps only the entries before it (the commit dropped those past the text).
         on_chain = next((i for i, (v, c) in enumerate(zip(path, state.chain_nodes)) if v != c), len(path))

@@ -168,7 +168,7 @@ def reference(f: dict, config: dict, fused: torch.Tensor, ids: torch.Tensor, t: 
     q = (x[t] @ f["midlayer.self_attn.q_proj.weight"].T).view(heads, hd)
     k = (x @ f["midlayer.self_attn.k_proj.weight"].T).view(t + 1, kv, hd)
     v = (x @ f["midlayer.self_attn.v_proj.weight"].T).view(t + 1, kv, hd)
-    inv = 1.0 / config["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd)
+    inv = 1.0 / 10000.0 ** (torch.arange(0, hd, 2).float() / hd)  # cnets.py's linear rotary: base 10000, always
 
     def rotate(vec, pos):  # linear scaling: position / factor; halves of each head rotate as pairs (Llama's layout)
         ang = pos / config["rope_scaling"]["factor"] * inv

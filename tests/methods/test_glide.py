@@ -174,9 +174,13 @@ def test_cape_by_the_authors_bins(pair, looping_prompt):
     assert 1 <= out.extra["expanded_per_call"] <= 3 and out.extra["candidates_per_call"] <= 9
     assert_greedy_equal_to_ar(method, [looping_prompt])
     plain = run(build(pair, "glide", cape_bins=[1] * 12, gamma=3, recipe={"block": 3}), looping_prompt, 24)
-    assert plain.extra["expanded_per_call"] == 0 and plain.output_ids == out.output_ids
+    assert plain.extra["expanded_per_call"] == 0 and plain.extra["candidates_per_call"] <= 3
     with pytest.raises(BenchError, match="cape_bins"):
         Glide.check_settings({"cape_bins": [1] * 10})
+    with pytest.raises(BenchError, match=r"cape_bins \[1, 2, 2, .*\] grows with the confidence"):
+        Glide.check_settings({"cape_bins": [1] + [2] * 10})
+    with pytest.raises(BenchError, match="cape_bins is CaPE's rule; with cape=false nothing would read it"):
+        Glide.check_settings({"cape_bins": [2] * 11, "cape": False})
 
 
 def test_the_draft_cache_keeps_only_what_was_committed(pair, looping_prompt, monkeypatch):

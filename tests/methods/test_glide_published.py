@@ -149,13 +149,16 @@ def test_decoding_with_published_weights_equals_ar(pair, tmp_path, name):
     assert pair.counts()["glide"]["calls"] > 0
 
 
-def test_the_converted_draft_is_cached(pair, tmp_path):
+def test_the_converted_draft_is_cached(pair, tmp_path, monkeypatch):
+    from methods import _glide_published
+
     folder, _ = glide_file(tmp_path / "g", pair.target.module, tie=True)
     first = build(pair, "glide", weights=str(folder))
-    again = build(pair, "glide", weights=str(folder))
+    monkeypatch.setattr(_glide_published, "published_glide", lambda *args: pytest.fail("converted again"))
+    again = build(pair, "glide", weights=str(folder))  # the cached blob alone
     assert again.report["sha256"] == first.report["sha256"]
-    for (name, a), b in zip(first.draft.module.state_dict().items(), again.draft.module.state_dict().values()):
-        assert torch.equal(a, b), name
+    mine, theirs = first.draft.module.state_dict(), again.draft.module.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     assert torch.equal(first.draft.module.head.weight, first.draft.module.embed_tokens.weight)  # tied, saved once
 
 
@@ -182,6 +185,39 @@ def one_layer(tiny_pair, tmp_path):
         "large_num_attention_heads": cut.num_attention_heads}))
     torch.save(tensors, folder / "pytorch_model.bin")
     return pair, folder
+
+
+def test_the_published_draft_rereads_what_the_target_accepted(one_layer, monkeypatch):
+    """As the authors' loop: after each verification the draft's cache is cut back to the pending token, and the
+    next step's first read is that token, the accepted ones and the new pending one, against the target's cache
+    of all but the last."""
+    from methods.glide import Glide
+    from tests.helpers import decode, repeating_prompt, run
+
+    pair, folder = one_layer  # a draft the target often agrees with: steps accept tokens
+    method = build(pair, "glide", weights=str(folder))
+    reads, kept = [], []
+    real_read, real_accepted = Glide.read, Glide.accepted
+
+    def read(self, state, tokens):
+        reads.append((state.dcache.get_seq_length(), len(tokens), state.cache.get_seq_length(), len(state.seq)))
+        return real_read(self, state, tokens)
+
+    def accepted(self, state, draft, path, hidden):
+        real_accepted(self, state, draft, path, hidden)
+        kept.append((state.dcache.get_seq_length(), state.past))
+
+    monkeypatch.setattr(Glide, "read", read)
+    monkeypatch.setattr(Glide, "accepted", accepted)
+    ids = repeating_prompt(pair)
+    ids += decode(pair, "ar", ids, max_new=30).output_ids  # a loop the target keeps to: drafts get accepted
+    out = run(method, ids, 24)
+    assert len(out.output_ids) > 10
+    # (The last step may have had no budget left to draft, so nothing read: its cache stops short of the pending.)
+    assert kept and all(length == past for length, past in kept[:-1]) and kept[-1][0] <= kept[-1][1]
+    firsts = [r for r in reads if r[0] + r[1] == r[3]]  # a step's first read: up to the pending token
+    assert len(firsts) >= len(kept) - 1 and all(start + n == p + 1 for start, n, p, _ in firsts)
+    assert any(n > 2 for _, n, _, _ in firsts[1:])  # accepted tokens read again with the pending ones
 
 
 @pytest.mark.parametrize("cape", [True, False])
@@ -218,6 +254,8 @@ def test_mismatches_are_one_sentence(pair, tmp_path):
     assert "model_type: qwen2" in refusal(pair, folder)
     folder, _ = glide_file(tmp_path / "nolarge", target, config_over={"large_hidden_size": None})
     assert "'large_hidden_size' is None, not an integer." in refusal(pair, folder)
+    folder, _ = glide_file(tmp_path / "dims", target, config_over={"head_dim": 99, "attention_bias": True})
+    assert published_glide(Checkpoint(folder, FILES, WHAT), target) is not None  # their layers read neither
     folder, _ = glide_file(tmp_path / "default", target)
     config = json.loads((folder / "config.json").read_text())
     del config["large_num_attention_heads"]  # the authors' default, 32 (Vicuna-7B's), is read
