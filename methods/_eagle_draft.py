@@ -40,7 +40,7 @@ from core.artifacts import (
 )
 from core.counting import Counted
 from core.model_parts import body_config, copy_last_layers
-from methods.heads._adversarial import Adversary, AdversaryRecipe
+from methods._adversarial import Adversary, AdversaryRecipe
 from training.kit import (
     budget,
     feature_stores,

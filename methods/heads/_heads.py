@@ -36,7 +36,7 @@ from torch import nn
 
 from core.counting import Counted, CountedModule
 from core.model_parts import body_config, copy_last_layers
-from methods.heads._adversarial import AdversaryRecipe
+from methods._adversarial import AdversaryRecipe
 from training.kit import trained_part
 from training.loop import TrainRecipe
 

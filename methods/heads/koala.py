@@ -9,7 +9,7 @@ supervised loss, over a base head method that decodes exactly as before.
 
 Both are trained from the teacher store with their base's supervised loss, for their base's epochs (so the
 gain over the base is measured at the same training budget), plus ``recipe.adversarial`` (KOALA's
-discriminator, :mod:`methods.heads._adversarial`); ``recipe.adversarial=null`` keeps the K layers and drops it. The
+discriminator, :mod:`methods._adversarial`); ``recipe.adversarial=null`` keeps the K layers and drops it. The
 trained parts are cached beside the base's (their recipe differs), and verification is the base's: lossless.
 
 ``python -m bench run method=koala method.base=medusa baseline=medusa`` times KOALA against its base head,
@@ -26,7 +26,7 @@ from pydantic import Field, model_validator
 from methods._eagle_draft import EagleRecipe
 from methods.base import Method, MethodSettings
 from methods.eagle import Eagle, EagleSettings
-from methods.heads._adversarial import AdversaryRecipe
+from methods._adversarial import AdversaryRecipe
 from methods.heads._heads import HeadsRecipe
 from methods.heads._tree_heads import TreeHeadsSettings
 from methods.heads.medusa import Medusa

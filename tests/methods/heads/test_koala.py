@@ -7,7 +7,7 @@ import torch
 
 from core.artifacts import recipe_key
 from methods._eagle_draft import eagle_artifact
-from methods.heads._adversarial import Adversary, AdversaryRecipe
+from methods._adversarial import Adversary, AdversaryRecipe
 from tests.helpers import (
     assert_greedy_equal_to_ar,
     assert_sampling_is_the_targets,
