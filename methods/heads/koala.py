@@ -23,10 +23,10 @@ from typing import Literal
 from omegaconf import OmegaConf
 from pydantic import Field, model_validator
 
+from methods._adversarial import AdversaryRecipe
 from methods._eagle_draft import EagleRecipe
 from methods.base import Method, MethodSettings
 from methods.eagle import Eagle, EagleSettings
-from methods._adversarial import AdversaryRecipe
 from methods.heads._heads import HeadsRecipe
 from methods.heads._tree_heads import TreeHeadsSettings
 from methods.heads.medusa import Medusa
