@@ -69,6 +69,18 @@ def repeating_prompt(pair):
     return pair.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def refusal_of(call, *args) -> str:
+    """The one sentence ``call(*args)`` refuses with (a :class:`core.errors.BenchError` of one line)."""
+    import pytest
+
+    from core.errors import BenchError
+
+    with pytest.raises(BenchError) as err:
+        call(*args)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
 def one_layer_pair(tiny_pair, seed=0):
     """The tiny pair with a random one-layer Llama target of the same sizes (``pair.target.module``), no draft
     models and a role table of its own: a published drafter written from that very layer is right most of the

@@ -15,10 +15,9 @@ from transformers import DynamicCache
 
 import methods._eagle3_published as published
 from core.checkpoints import Checkpoint
-from core.errors import BenchError
 from methods._eagle3_draft import Eagle3Draft
 from methods._eagle3_published import FILES, WHAT, eagle3_draft, load_published_eagle3
-from tests.helpers import assert_greedy_equal_to_ar, build, prompts_for
+from tests.helpers import assert_greedy_equal_to_ar, build, prompts_for, refusal_of
 
 
 @pytest.fixture()
@@ -71,10 +70,7 @@ def test_the_whole_vocabulary_needs_no_d2t(pair, tmp_path):
 
 
 def refusal(pair, folder) -> str:
-    with pytest.raises(BenchError) as err:
-        eagle3_draft(Checkpoint(folder, FILES, WHAT), pair.target.module)
-    assert "\n" not in str(err.value)
-    return str(err.value)
+    return refusal_of(lambda: eagle3_draft(Checkpoint(folder, FILES, WHAT), pair.target.module))
 
 
 def test_the_layer_is_built_from_the_drafts_own_config(pair, tmp_path):

@@ -23,6 +23,7 @@ from tests.helpers import (
     build,
     one_layer_pair,
     prompts_for,
+    refusal_of,
 )
 
 
@@ -168,10 +169,7 @@ def test_sampling_with_published_weights_follows_the_target(one_layer, draft):
 
 
 def refusal(pair, folder) -> str:
-    with pytest.raises(BenchError) as err:
-        eagle_layer(Checkpoint(folder, FILES, WHAT), pair.target.module)
-    assert "\n" not in str(err.value)
-    return str(err.value)
+    return refusal_of(lambda: eagle_layer(Checkpoint(folder, FILES, WHAT), pair.target.module))
 
 
 def test_mismatches_are_one_sentence(pair, tmp_path):

@@ -24,6 +24,7 @@ from tests.helpers import (
     build,
     one_layer_pair,
     prompts_for,
+    refusal_of,
 )
 from tests.methods.test_eagle_published import rms, rotate
 
@@ -226,10 +227,7 @@ def test_sampling_with_published_weights_follows_the_target(one_layer, cape):
 
 
 def refusal(pair, folder) -> str:
-    with pytest.raises(BenchError) as err:
-        published_glide(Checkpoint(folder, FILES, WHAT), pair.target.module)
-    assert "\n" not in str(err.value)
-    return str(err.value)
+    return refusal_of(lambda: published_glide(Checkpoint(folder, FILES, WHAT), pair.target.module))
 
 
 def test_mismatches_are_one_sentence(pair, tmp_path):

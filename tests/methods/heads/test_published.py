@@ -13,9 +13,8 @@ import torch
 from torch import nn
 
 from core.checkpoints import Checkpoint, read_tensors
-from core.errors import BenchError
 from methods.heads._published import published_heads
-from tests.helpers import assert_greedy_equal_to_ar, assert_sampling_is_the_targets, build, prompts_for
+from tests.helpers import assert_greedy_equal_to_ar, assert_sampling_is_the_targets, build, prompts_for, refusal_of
 from tests.helpers import decode as decode_with
 
 VICUNA = "lmsys/vicuna-7b-v1.3"
@@ -238,11 +237,7 @@ def test_converted_heads_are_cached_by_the_files_checksum(pair, tmp_path):
 
 
 def refusal(pair, folder, method="medusa", kind="medusa", target_id=VICUNA) -> str:
-    with pytest.raises(BenchError) as err:
-        published_heads(kind, method, str(folder), pair.target.module, target_id)
-    message = str(err.value)
-    assert "\n" not in message
-    return message
+    return refusal_of(published_heads, kind, method, str(folder), pair.target.module, target_id)
 
 
 def test_mismatches_are_one_sentence_naming_the_file_and_key(pair, tmp_path):
