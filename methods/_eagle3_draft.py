@@ -160,8 +160,8 @@ def target_features(target, ids: torch.Tensor, layers: tuple[int, ...], batch_si
 def draft_config(target_config, draft_vocab: int, layer: dict | None = None) -> LlamaConfig:
     """The draft layer's config (the authors' ``config.json``: a one-layer Llama with ``draft_vocab_size``): the
     target's widths, heads and rotary settings, whatever its family (GPT-2, without rotary: Llama's default).
-    ``layer``: LlamaConfig fields that replace those (a published draft narrower than its target: its own width,
-    heads, ``head_dim``, MLP, norm epsilon and rotary settings)."""
+    ``layer``: LlamaConfig fields that replace those (a published draft's own, from its config: width, heads,
+    ``head_dim``, MLP, norm epsilon and rotary settings, :func:`methods._eagle3_published.layer_fields`)."""
     c = target_config
     hidden, heads = c.hidden_size, c.num_attention_heads
     rope = getattr(c, "rope_parameters", None)
@@ -187,7 +187,7 @@ def draft_config(target_config, draft_vocab: int, layer: dict | None = None) -> 
 
 class Eagle3Attention(nn.Module):
     """The authors' attention: q/k/v read the 2H concatenation, o_proj writes H; rotary and grouped keys and
-    values as ``config`` (:func:`draft_config`: the target's, or a narrower published draft's own) sets them."""
+    values as ``config`` (:func:`draft_config`: the target's, or a published draft's own) sets them."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
