@@ -16,14 +16,17 @@ from typing import Annotated, Literal
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
+from bench.synthetic import SHAPES, synthetic_model
 from core import files
 from core.artifacts import Artifact, file_sha256, load_or_build, problem
 from core.counting import CountedLM
 from core.errors import BenchError
+from core.kv_cache import check_cache_used
 from core.pair import Pair
 from core.schema import Settings, as_config, check
+from decoding.set_acceptance import SetAcceptance
 from training.distill import DistillRecipe, draft_artifact, draft_report
 from training.recipes import RECIPES, RecipeSettings
 from training.teacher import Teacher
@@ -105,6 +108,23 @@ class RandomModel(Settings):
         return config
 
 
+class SyntheticModel(Settings):
+    """A model of a published model's shape with random weights, made on the run's device in its dtype
+    (``pair=synthetic``; bench/synthetic.py lists the shapes)."""
+
+    source: Literal["synthetic"] = Field("synthetic", description="where the model comes from")
+    shape: str | None = Field(None, description="the shape's name (null: the pair's shape for the target, its "
+                              "usual draft's for a draft)")
+    seed: int = Field(0, ge=0, description="seeds the weights")
+
+    @field_validator("shape")
+    @classmethod
+    def known_shape(cls, shape):
+        if shape is not None and shape not in SHAPES:
+            raise ValueError(f"unknown shape '{shape}'; the shapes are {', '.join(SHAPES)}.")
+        return shape
+
+
 class DistilledDraft(Settings):
     """A draft the harness distils from the target (training/distill.py)."""
 
@@ -116,14 +136,52 @@ class PairSettings(Settings):
     """``pair.*``: the target and its drafts (largest first); methods load only the drafts they use."""
 
     name: str = Field(description="the pair's name, in records and tables")
-    target: Annotated[HubModel | PackagedModel | RandomModel, Field(discriminator="source")] = Field(
+    target: Annotated[HubModel | PackagedModel | RandomModel | SyntheticModel, Field(discriminator="source")] = Field(
         description="the model whose output every lossless method reproduces")
-    drafts: list[Annotated[HubModel | RandomModel | DistilledDraft, Field(discriminator="source")]] = Field(
-        default_factory=list, description="draft models, largest first")
+    drafts: list[Annotated[HubModel | RandomModel | DistilledDraft | SyntheticModel, Field(discriminator="source")]] = (
+        Field(default_factory=list, description="draft models, largest first"))
+    shape: str | None = Field(None, description="a synthetic pair's target shape (bench/synthetic.py): "
+                              "smollm2-135m, llama-2-7b, llama-3.1-8b, llama-3.3-70b, qwen2.5-7b, ...")
+    acceptance: float | None = Field(None, ge=0, le=1, description="a synthetic pair's acceptance: the target "
+                                     "keeps each drafted token with this probability (decoding/set_acceptance.py)")
+
+    @model_validator(mode="after")
+    def synthetic_shapes(self):
+        """A synthetic pair has synthetic models only, an acceptance, and every model's shape filled in (the
+        target's from ``shape``, each draft's from the target shape's usual draft)."""
+        models = [self.target, *self.drafts]
+        synthetic = [isinstance(m, SyntheticModel) for m in models]
+        if not any(synthetic):
+            if self.acceptance is not None or self.shape is not None:
+                raise ValueError("acceptance and shape are settings of a synthetic pair (pair=synthetic), whose "
+                                 "models have source: synthetic.")
+            return self
+        if not all(synthetic):
+            raise ValueError("a synthetic pair's target and drafts are all synthetic (random weights of a shape).")
+        if self.acceptance is None:
+            raise ValueError("a synthetic pair needs an acceptance (pair.acceptance=0.7, say).")
+        self.target.shape = self.target.shape or self.shape
+        if self.target.shape is None:
+            raise ValueError(f"a synthetic pair needs a shape (pair.shape=NAME): {', '.join(SHAPES)}.")
+        draft_of = SHAPES[self.target.shape].draft
+        for d in self.drafts:
+            if d.shape is None and draft_of is None:
+                raise ValueError(f"shape {self.target.shape} has no usual draft: name one (pair.drafts.0.shape).")
+            d.shape = d.shape or draft_of
+        vocab = {SHAPES[m.shape].config["vocab_size"] for m in models}
+        if len(vocab) > 1:
+            raise ValueError(f"the target and drafts of a synthetic pair need one vocabulary; shapes "
+                             f"{', '.join(m.shape for m in models)} have {sorted(vocab)} tokens.")
+        return self
+
+    @property
+    def synthetic(self) -> bool:
+        return self.acceptance is not None
 
 
 # Each model node's settings class by its source: what keys a node of that source takes.
-SOURCES = {cls.model_fields["source"].default: cls for cls in (HubModel, PackagedModel, RandomModel, DistilledDraft)}
+SOURCES = {cls.model_fields["source"].default: cls
+           for cls in (HubModel, PackagedModel, RandomModel, DistilledDraft, SyntheticModel)}
 SOURCE_OVERRIDE = re.compile(r"^\+?(pair\.(?:target|drafts\.\d+))\.source=(.*)$")
 
 
@@ -272,7 +330,7 @@ def _target_tokenizer(spec: DictConfig, cache: Path):
         return hub_tokenizer(spec.id)
     if src == "gguf_package":
         return hub_tokenizer(str(packaged_gguf_folder(spec, cache)))
-    if src == "random":
+    if src in ("random", "synthetic"):
         return byte_tokenizer()
     raise AssertionError(f"target source '{src}' passed PairSettings but has no loader")
 
@@ -389,13 +447,26 @@ def load_pair(cfg: DictConfig, n_drafts: int | None = None) -> Pair:
     for i, dspec in enumerate(specs):  # before any weights load: a draft that tokenizes otherwise is refused
         if dspec.source == "hub":
             check_draft_tokenizer(pair_cfg.name, i, dspec, tokenizer)
-    target = _load_target(pair_cfg.target, tokenizer, torch.float32, cache)
+    if pair_cfg.target.source == "synthetic":  # made where it runs, in the run's dtype: no float32 host copy
+        target = synthetic_model(pair_cfg.target.shape, pair_cfg.target.seed, device, dtype, specials_of(tokenizer))
+    else:
+        target = _load_target(pair_cfg.target, tokenizer, torch.float32, cache)
     target.eval()
     drafts = []
     for i, dspec in enumerate(specs):
-        d = _load_draft(dspec, target, tokenizer, teacher)
+        if dspec.source == "synthetic":
+            d = synthetic_model(dspec.shape, dspec.seed, device, dtype, specials_of(tokenizer))
+        else:
+            d = _load_draft(dspec, target, tokenizer, teacher)
+        # A no-op for a model already there (a synthetic one).
         drafts.append(CountedLM(d.to(device=device, dtype=dtype).eval(), "draft" if i == 0 else f"draft{i + 1}"))
     target = CountedLM(target.to(device=device, dtype=dtype), "target")
+    if pair_cfg.get("acceptance") is not None:
+        target.acceptance = SetAcceptance(pair_cfg.acceptance, seed=int(cfg.get("seed", 0)))
+    # A model that drops the cache (a transformers release that names it otherwise, a custom forward) would make
+    # every method and the baseline agree on the same wrong tokens: refused here, before anything is timed.
+    for lm in (target, *drafts):
+        check_cache_used(lm.module, "the target" if lm.role == "target" else f"the {lm.role} model")
     kernels = {}
     if cfg.get("packed_linear", True) and device.type == "cpu" and dtype == torch.float32:
         from core.kernels import choose_one_row_kernel, pack_linears

@@ -31,6 +31,7 @@ from bench.results import (
 from bench.validate import validate
 from core import metrics
 from core.clock import clocked, sync
+from core.kv_cache import lm_forward
 from core.pair import Pair
 from decoding.sampling import Sampling
 from methods.registry import get_method
@@ -82,11 +83,11 @@ def forward_seconds(device: torch.device, model, context: torch.Tensor, new_toke
 
     cache = DynamicCache()
     with torch.inference_mode():
-        model(context, cache=cache, use_cache=True, logits_to_keep=1)
+        lm_forward(model, context, cache, logits_to_keep=1)
     step = context[:, -new_tokens:]
     samples = []
     for _ in range(repeats + 1):
-        _, seconds = clocked(device, model, step, cache=cache, use_cache=True)
+        _, seconds = clocked(device, lm_forward, model, step, cache)
         cache.crop(-new_tokens)
         samples.append(seconds)
     return metrics.median(samples[1:])
@@ -162,6 +163,10 @@ def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float, samp
         "method": method.name,
         "lossless": method.is_lossless(sampling),
         "pair": pair.name,
+        # Random weights of a real shape and a set acceptance (bench/synthetic.py): real costs, a chosen acceptance;
+        # the outputs follow the coin, so they are never compared with the baseline's or scored for quality.
+        "synthetic": pair.synthetic,
+        "acceptance_set": pair.spec.get("acceptance"),
         "dataset": cfg.dataset.name,
         "prompt_id": prompt.prompt_id,
         "category": prompt.category,
@@ -253,11 +258,12 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
                 if base is not None:
                     rec["speedup"] = 1.0 if rec is base else paired_speedup(base, rec)
                     # Token-for-token equality with the baseline: greedy runs only (sampled outputs match by chance).
-                    rec["matches_baseline"] = rec["output_ids"] == base["output_ids"] if sampling.greedy else None
+                    rec["matches_baseline"] = (rec["output_ids"] == base["output_ids"]
+                                               if sampling.greedy and not pair.synthetic else None)
                 # A greedy output that leaves the baseline's: where, and whether the target's choice there was a
                 # near-tie (a kernel rounding flip) or a real mismatch. Untimed, and its forward is not counted.
                 rec["divergence"] = quality.divergence(pair, rec, base) if rec.get("matches_baseline") is False else None
-                if not rec["lossless"]:
+                if not rec["lossless"] and not pair.synthetic:
                     # Lossy output is scored against AR and the reference; untimed, and its one target
                     # forward is not counted (the counters are reset before the next timed decode).
                     rec["quality"] = quality.record_quality(pair, rec, base)

@@ -86,6 +86,8 @@ def checked(cfg: DictConfig) -> dict[str, Settings]:
     method = method_cls.check_settings(nodes["method"])
     pair = check(PairSettings, nodes["pair"], "pair", f"pair={nodes['pair'].get('name')}")
     method_cls.check_pair(method, pair)
+    if pair.synthetic:
+        check_synthetic(settings, method_cls, method, pair)
     dataset = dataset_settings(nodes["dataset"])
     recipe = check(RecipeSettings, nodes["recipe"], "recipe", f"recipe={nodes['recipe'].get('name')}")
     method_cls.check_recipe(method, recipe)
@@ -98,6 +100,18 @@ def checked(cfg: DictConfig) -> dict[str, Settings]:
     if settings.max_new_tokens is None:
         settings.max_new_tokens = dataset.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
     return {"": settings, "method": method, "pair": pair, "dataset": dataset, "recipe": recipe}
+
+
+def check_synthetic(settings: RunSettings, method_cls, method, pair: PairSettings) -> None:
+    """What a synthetic pair (random weights, a set acceptance) can run: greedy decoding (the coin decides the
+    target's argmax) and methods that train nothing (trained parts would learn nothing from random weights; using
+    them untrained comes with the trainer scaffold)."""
+    if settings.temperature > 0:
+        raise BenchError(f"pair={pair.name} sets the target's greedy choice by its acceptance; run it with "
+                         "temperature=0.")
+    if method_cls.trains(as_config(pair), method):
+        raise BenchError(f"method={method_cls.name} trains a part from the target, which pair={pair.name} (random "
+                         "weights) cannot teach; synthetic pairs run the methods that train nothing for now.")
 
 
 def validate(cfg: DictConfig) -> DictConfig:

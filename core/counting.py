@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from core.flops import FlopFormula
+from core.kv_cache import lm_forward
 
 
 class Counted:
@@ -59,6 +60,9 @@ class CountedLM(Counted):
     def __init__(self, module: nn.Module, role: str):
         super().__init__(module, role, getattr(module, "config", None))
         self.config = getattr(module, "config", None)
+        # A synthetic pair's target: the verification forwards' logits are decided by this coin
+        # (decoding.set_acceptance.SetAcceptance, applied by decoding.tree.score_tree); None for a real model.
+        self.acceptance = None
         head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
         head = head if head is not None else getattr(module, "head", None)
         self.head_weights = head.weight.numel() if head is not None else 0
@@ -74,7 +78,7 @@ class CountedLM(Counted):
         keep = kwargs.get("logits_to_keep", 0)
         rows = len(keep) if isinstance(keep, torch.Tensor) else (keep if keep > 0 else None)
         self._count(batch, new_tokens, past + new_tokens, head_rows=rows)
-        return self.module(input_ids=input_ids, cache=cache, use_cache=cache is not None, **kwargs)
+        return lm_forward(self.module, input_ids, cache, **kwargs)
 
 
 class CountedModule(Counted):

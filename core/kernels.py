@@ -28,6 +28,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from core.clock import clocked
+from core.kv_cache import lm_forward
 
 # Measured: F.linear's cost jumps between 3 and 4 rows on the machine above (1-3 rows: flat) in 2026-11; on
 # 2026-11-24 the same machine's F.linear made 2- and 3-row target forwards cost 1.5x and 2x a one-row one, the
@@ -102,14 +103,13 @@ def choose_one_row_kernel(model: nn.Module, reps: int = 15, past: int = 64) -> d
     ids = torch.arange(past + 1, device=device).remainder(vocab).unsqueeze(0)
     cache = DynamicCache()
     with torch.inference_mode():
-        model(input_ids=ids[:, :past], cache=cache, use_cache=True)
+        lm_forward(model, ids[:, :past], cache)
     times = {1: [], MIN_ROWS: []}
     for round_ in range(reps + 1):
         for rows in times:
             for lin in linears:
                 lin.min_rows = rows
-            _, seconds = clocked(device, model, input_ids=ids[:, past:], cache=cache, use_cache=True,
-                                 logits_to_keep=1)
+            _, seconds = clocked(device, lm_forward, model, ids[:, past:], cache, logits_to_keep=1)
             cache.crop(-1)
             if round_:  # the first round packs the weights and warms the caches
                 times[rows].append(seconds)

@@ -43,6 +43,11 @@ class Pair:
             self.roles[draft.role] = draft
 
     @property
+    def synthetic(self) -> bool:
+        """Random weights of a real shape with a set acceptance (``pair=synthetic``): costs are real, outputs not."""
+        return self.spec.get("acceptance") is not None
+
+    @property
     def draft(self) -> CountedLM:
         if not self.drafts:
             raise BenchError(f"pair '{self.name}' has no draft model, which this method needs.")

@@ -209,7 +209,11 @@ def score_tree(target, cache, tree: Tree, hidden: bool = False, side: SideRows |
         kwargs["attention_mask"] = additive_mask(allowed, past, dtype, device)
         kwargs["position_ids"] = (past + torch.tensor(offsets, device=device)).unsqueeze(0)
     out = target(ids, cache, output_hidden_states=hidden, **kwargs)
-    return out.logits[0], (out.hidden_states[-1][0] if hidden else None)
+    logits = out.logits[0]
+    if target.acceptance is not None:  # a synthetic pair: the coin decides the target's choice at each node
+        n = logits.shape[0] - (len(side.keep) if side is not None else 0)
+        logits = torch.cat([target.acceptance.rewrite(tree, logits[:n]), logits[n:]])
+    return logits, (out.hidden_states[-1][0] if hidden else None)
 
 
 def read_nodes(model, cache, tree: Tree, nodes: list[int], cached: list[int], past: int) -> torch.Tensor:

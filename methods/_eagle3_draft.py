@@ -58,6 +58,7 @@ from transformers.models.llama.modeling_llama import (
 
 from core.artifacts import Artifact, load_or_build, model_fingerprint, report_of
 from core.counting import Counted
+from core.kv_cache import lm_forward
 from core.model_parts import decoder_layers
 from training.kit import (
     budget,
@@ -149,7 +150,7 @@ def target_features(target, ids: torch.Tensor, layers: tuple[int, ...], batch_si
     out = []
     with LayerTaps(target, layers) as taps:
         for start in tqdm(range(0, len(ids), batch_size), desc=desc, unit="batch"):
-            body(input_ids=ids[start : start + batch_size].to(device), use_cache=False)
+            lm_forward(body, ids[start : start + batch_size].to(device))
             out.append(taps.fused().half().cpu())
     return torch.cat(out)
 

@@ -39,6 +39,7 @@ from core.artifacts import (
     report_of,
 )
 from core.counting import Counted
+from core.kv_cache import lm_forward
 from core.model_parts import body_config, copy_last_layers
 from methods._adversarial import Adversary, AdversaryRecipe
 from training.kit import (
@@ -122,7 +123,7 @@ class EagleDraft(nn.Module):
         earlier positions, extended in place (``None``: the whole sequence at once, as in training);
         ``kwargs``: ``attention_mask`` / ``position_ids`` (a draft tree)."""
         x = self.fc(torch.cat([feats, emb], dim=-1))
-        out = self.body(inputs_embeds=x, cache=cache, use_cache=cache is not None, **kwargs)
+        out = lm_forward(self.body, None, cache, inputs_embeds=x, **kwargs)
         return out.last_hidden_state
 
 

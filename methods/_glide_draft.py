@@ -65,6 +65,7 @@ from core.artifacts import (
 )
 from core.counting import Counted
 from core.errors import BenchError
+from core.kv_cache import cache_kwargs
 from core.model_parts import body_config, copy_last_layers, decoder_layers
 from decoding.tree import additive_mask
 from training.kit import (
@@ -222,7 +223,7 @@ class GlideDraft(nn.Module):
         h = emb
         for block, norm, cross, (k, v) in zip(self.body.layers, self.cross_norm, self.cross, kvs, strict=True):
             h = h + block.self_attn(block.input_layernorm(h), position_embeddings=cos_sin, attention_mask=causal,
-                                    cache=cache)[0]
+                                    **cache_kwargs(cache))[0]
             h = h + cross(norm(h), cos_sin, k, v, visible)
             h = h + block.mlp(block.post_attention_layernorm(h))
         return self.body.norm(h)

@@ -42,6 +42,7 @@ from transformers import LlamaConfig, LlamaModel
 
 from core.checkpoints import Checkpoint, load_converted, locate
 from core.errors import BenchError
+from core.kv_cache import cache_kwargs
 from core.model_parts import decoder_layers
 from decoding.tree import additive_mask
 from methods._glide_draft import CrossAttention
@@ -110,7 +111,7 @@ class PublishedGlide(nn.Module):
         h = emb
         for block, cross, (k, v) in zip(self.body.layers, self.cross, kvs, strict=True):
             h = h + block.self_attn(block.input_layernorm(h), position_embeddings=own, attention_mask=causal,
-                                    cache=cache)[0]
+                                    **cache_kwargs(cache))[0]
             h = h + cross(h, theirs, k, v, visible)  # no norm in front: the authors' block
             h = h + block.mlp(block.post_attention_layernorm(h))
         return self.body.norm(h)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from core.errors import BenchError
+from core.kv_cache import lm_forward
 from core.model_parts import decoder_layers
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ def build(folder: Path, model: torch.nn.Module, tokenizer, settings: dict, batch
                 start = docs[p["doc"]]["start"] + p["start"]
                 x[j, : p["length"]] = torch.from_numpy(tokens[start: start + p["length"]].astype(np.int64))
             # Right padding needs no mask: a causal model's states at a position never read later positions.
-            model(input_ids=x.to(device), use_cache=False, logits_to_keep=1)
+            lm_forward(model, x.to(device), logits_to_keep=1)
             states = box[0].float().cpu().numpy()
             for j, p in enumerate(group):
                 keys[p["key"]: p["key"] + p["length"] - 1] = states[j, : p["length"] - 1]

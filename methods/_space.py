@@ -42,6 +42,7 @@ from core.artifacts import (
     model_fingerprint,
     report_of,
 )
+from core.kv_cache import lm_forward
 from decoding.cache import truncate_cache
 from training.kit import budget, fit_and_measure, fp32_eval, part_artifact, part_epochs, part_key, trained_part
 from training.loop import TrainRecipe
@@ -109,7 +110,7 @@ def row_cache(target, ids: torch.Tensor) -> DynamicCache:
     the output head is not run."""
     cache = DynamicCache()
     with torch.no_grad():
-        target.base_model(input_ids=ids, cache=cache, use_cache=True)
+        lm_forward(target.base_model, ids, cache)
     return cache
 
 
@@ -123,7 +124,7 @@ def group_logits(target, cache: DynamicCache, cuts: torch.Tensor, emb: torch.Ten
     pos = (cuts[..., None] + torch.arange(k, device=cuts.device)).reshape(B, m * k)
     mask = group_mask(cuts, k, past, x.dtype)
     try:
-        out = target(inputs_embeds=x, cache=cache, use_cache=True, position_ids=pos, attention_mask=mask)
+        out = lm_forward(target, None, cache, inputs_embeds=x, position_ids=pos, attention_mask=mask)
     finally:
         truncate_cache(cache, past)  # the masks' keys and values never stay
     return out.logits.view(B, m, k, -1)

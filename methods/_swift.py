@@ -33,6 +33,7 @@ import torch
 from core.clock import clocked
 from core.counting import CountedLM
 from core.errors import BenchError
+from core.kv_cache import lm_forward
 from core.model_parts import decoder_layers, skipping, sublayers
 from decoding.cache import truncate_cache
 
@@ -221,8 +222,7 @@ def load_or_build_skip_set(pair, settings, n_layers: int, build_if_missing: bool
                                                        "swift: target answers"):
                 if answer.numel() >= 2:
                     cache = DynamicCache()
-                    target.module(prompt[None].to(target.device), cache=cache, use_cache=True,
-                                  logits_to_keep=1)
+                    lm_forward(target.module, prompt[None].to(target.device), cache, logits_to_keep=1)
                     cases.append((cache, answer.tolist()))
             if not cases:
                 raise BenchError("the target answered every swift calibration prompt with at most one token.")

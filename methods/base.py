@@ -153,6 +153,8 @@ class Method:
 
     @cached_property  # read at every decoding step: the tokenizer and generation config do not change
     def eos_ids(self) -> frozenset[int]:
+        if self.pair.synthetic:  # random weights: every prompt decodes its full budget (vLLM's ignore_eos)
+            return frozenset()
         tok = self.pair.tokenizer
         ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
         gen = getattr(self.pair.target.module, "generation_config", None)

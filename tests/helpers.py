@@ -5,6 +5,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from core.kv_cache import cache_of
 from decoding.sampling import Sampling, probs_from_logits
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
@@ -183,7 +184,7 @@ def assert_cache_is_a_plain_pass(module, cache, prompt: list[int], seq: list[int
     n = cache.get_seq_length()
     assert len(prompt) < n <= len(seq) - 1
     with torch.no_grad():
-        fresh = module(torch.tensor([seq[:n]]), use_cache=True).cache
+        fresh = cache_of(module(torch.tensor([seq[:n]]), use_cache=True))
     for mine, ref in zip(cache.layers, fresh.layers, strict=True):
         torch.testing.assert_close(mine.keys, ref.keys, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(mine.values, ref.values, atol=1e-4, rtol=1e-4)

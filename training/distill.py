@@ -26,6 +26,7 @@ from core.artifacts import (
     report_of,
 )
 from core.errors import BenchError
+from core.kv_cache import cache_of, lm_forward, output_with_cache
 from core.model_parts import copy_from
 from training.kit import (
     budget,
@@ -82,9 +83,10 @@ class DraftLM(PreTrainedModel, GenerationMixin):
         self.head = nn.Linear(config.hidden_size, vocab_map.numel(), bias=False)
         self.register_buffer("vocab_map", vocab_map.long(), persistent=True)
 
-    def sub_logits(self, input_ids, cache=None, use_cache=False, **kwargs):
-        """Logits over the drafting vocabulary only: ``(B, T, len(vocab_map))``, and the last hidden state."""
-        out = self.body(input_ids=input_ids, cache=cache, use_cache=use_cache, **kwargs)
+    def sub_logits(self, input_ids):
+        """Logits over the drafting vocabulary only: ``(B, T, len(vocab_map))``, and the last hidden state (no
+        cache: training reads whole sequences)."""
+        out = lm_forward(self.body, input_ids)
         hidden = out.last_hidden_state
         return self.head(hidden), hidden
 
@@ -94,15 +96,15 @@ class DraftLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.head
 
-    def forward(self, input_ids, cache=None, use_cache=False, output_hidden_states=False,
-                logits_to_keep: int = 0, **kwargs):
+    def forward(self, input_ids, output_hidden_states=False, logits_to_keep: int = 0, **kwargs):
+        # kwargs: the cache and use_cache as core.kv_cache.lm_forward passes them, positions, masks.
         kwargs = {k: v for k, v in kwargs.items() if k not in ("return_dict", "output_attentions")}
-        out = self.body(input_ids=input_ids, cache=cache, use_cache=use_cache, **kwargs)
+        out = self.body(input_ids=input_ids, **kwargs)
         hidden = out.last_hidden_state
         sub = self.head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         logits = sub.new_full((*sub.shape[:-1], self.config.vocab_size), float("-inf"))
         logits[..., self.vocab_map] = sub
-        return CausalLMOutputWithPast(logits=logits, cache=out.cache, hidden_states=(hidden,))
+        return output_with_cache(CausalLMOutputWithPast, cache_of(out), logits=logits, hidden_states=(hidden,))
 
 
 def draft_from_target(target, layers: list[int], vocab_map: torch.Tensor) -> DraftLM:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 from tqdm.auto import tqdm
+from transformers import DynamicCache
 
 from core.errors import BenchError
+from core.kv_cache import lm_forward
 
 
 def token_chunks(tokenizer, docs, seq_len: int, max_tokens: int) -> torch.Tensor:
@@ -87,8 +89,9 @@ def target_kv(target, ids: torch.Tensor, layer: int, batch_size: int, desc: str)
     device = next(target.parameters()).device
     ks, vs = [], []
     for start in tqdm(range(0, len(ids), batch_size), desc=desc, unit="batch"):
-        out = target(ids[start : start + batch_size].to(device), use_cache=True, logits_to_keep=1)
-        cached = out.cache.layers[layer]
+        cache = DynamicCache()
+        lm_forward(target, ids[start : start + batch_size].to(device), cache, logits_to_keep=1)
+        cached = cache.layers[layer]
         ks.append(cached.keys.float().cpu())
         vs.append(cached.values.float().cpu())
     return torch.cat(ks), torch.cat(vs)

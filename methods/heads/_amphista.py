@@ -32,6 +32,7 @@ from torch import nn
 
 from core.counting import Counted
 from core.flops import FlopFormula
+from core.kv_cache import lm_forward
 from core.model_parts import body_config, copy_last_layers
 from methods.heads._heads import Heads
 
@@ -60,7 +61,7 @@ class AdaptStage(nn.Module):
         ``(B, n, H)``, causal, at positions ``len(cache) ..``; ``cache`` is extended in place (``None``: the
         whole sequence at once, as in training)."""
         x = self.fc(torch.cat([feats, emb], dim=-1))
-        out = self.body(inputs_embeds=x, cache=cache, use_cache=cache is not None)
+        out = lm_forward(self.body, None, cache, inputs_embeds=x)
         return feats + self.gamma * out.last_hidden_state
 
 

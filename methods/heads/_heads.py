@@ -35,6 +35,7 @@ from pydantic import Field
 from torch import nn
 
 from core.counting import Counted, CountedModule
+from core.kv_cache import lm_forward
 from core.model_parts import body_config, copy_last_layers
 from methods._adversarial import AdversaryRecipe
 from training.kit import trained_part
@@ -203,7 +204,7 @@ class PrefixLayer(nn.Module):
         ``cache``: a transformers ``Cache`` holding the layer's keys and values of the earlier positions,
         extended in place (``None`` when the whole sequence is given at once, as in training).
         """
-        out = self.body(inputs_embeds=hidden, cache=cache, use_cache=cache is not None)
+        out = lm_forward(self.body, None, cache, inputs_embeds=hidden)
         if self.gamma is None:
             return out.last_hidden_state
         return hidden + self.gamma * out.last_hidden_state

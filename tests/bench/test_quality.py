@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from core.kv_cache import lm_forward
 from bench import quality
 
 
@@ -50,10 +51,10 @@ def test_perplexity_matches_a_step_by_step_computation_and_is_not_counted(tiny_p
     target = tiny_pair.target
     cache, nll = DynamicCache(), 0.0
     with torch.inference_mode():
-        logits = target.module(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True).logits[0, -1]
+        logits = lm_forward(target.module, torch.tensor([prompt]), cache).logits[0, -1]
         for tok in output:
             nll -= float(torch.log_softmax(logits.float(), -1)[tok])
-            logits = target.module(input_ids=torch.tensor([[tok]]), cache=cache, use_cache=True).logits[0, -1]
+            logits = lm_forward(target.module, torch.tensor([[tok]]), cache).logits[0, -1]
     tiny_pair.reset_counts()
     assert quality.perplexity(tiny_pair, prompt, output) == pytest.approx(math.exp(nll / 3), rel=1e-4)
     assert tiny_pair.target.calls == 0
@@ -105,9 +106,9 @@ def test_top2_margin_and_divergence_on_the_tiny_pair(tiny_pair):
     prompt, prefix = [5, 6, 7, 8], [9, 10, 11]
     cache = DynamicCache()
     with torch.inference_mode():
-        logits = tiny_pair.target.module(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True).logits[0, -1]
+        logits = lm_forward(tiny_pair.target.module, torch.tensor([prompt]), cache).logits[0, -1]
         for tok in prefix:
-            logits = tiny_pair.target.module(input_ids=torch.tensor([[tok]]), cache=cache, use_cache=True).logits[0, -1]
+            logits = lm_forward(tiny_pair.target.module, torch.tensor([[tok]]), cache).logits[0, -1]
     top = torch.topk(logits.float(), 2).values
     tiny_pair.reset_counts()
     margin = quality.top2_margin(tiny_pair, prompt + prefix)

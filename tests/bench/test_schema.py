@@ -114,7 +114,7 @@ def test_cross_key_rules_are_named_validators(override, needle, capsys):
     (["method.unknown=1"], "unknown key method.unknown; method=sd has: name, gamma, confidence,"),
     (["+method.recipe.depth=1", "method=hydra"], "unknown key method.recipe.depth; method.recipe has: batch_size, lr, seed, epochs, num_heads,"),
     (["pair.target.config.hidden_sizes=3"], "config has keys LlamaConfig does not know: hidden_sizes"),
-    (["pair.target.source=hf"], "pair.target.source='hf' is not allowed; it takes one of: hub, gguf_package, random."),
+    (["pair.target.source=hf"], "pair.target.source='hf' is not allowed; it takes one of: hub, gguf_package, random, synthetic."),
     (["dataset.template='Q: {question}'"], "template 'Q: {question}' cannot be filled"),
     (["max_new_tokens=\"a"], "cannot parse the override 'max_new_tokens=\"a'"),
     (["dataset.source=web"], "dataset.source='web' is not allowed; it takes one of:"),

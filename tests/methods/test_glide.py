@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from transformers import DynamicCache
 
 from core.errors import BenchError
+from core.kv_cache import cache_of
 from methods._glide_draft import GlideDraft, decode_visible, visible_keys
 from methods.glide import Glide
 from tests.helpers import (
@@ -60,7 +61,7 @@ def test_the_kv_extra_is_the_targets_cache_built_once(tiny_pair, tmp_path, kv_bu
     rows = [0, 5, len(kv) - 1]  # text and answers rows (answers are right-padded: causal, so padding changes nothing)
     ids = kv.store.rows(rows, ("ids",))["ids"]
     with torch.no_grad():
-        cache = target(ids, use_cache=True).cache
+        cache = cache_of(target(ids, use_cache=True))
     got = kv.rows(rows)
     for layer in (2, 0):
         if layer == 0:
@@ -114,7 +115,7 @@ def test_training_sees_the_target_as_decoding_does(tiny_pair, phase):
     ids = torch.randint(3, 250, (1, 23))
     T, block = ids.shape[1], 4
     with torch.no_grad():
-        cache = target(ids, use_cache=True).cache.layers[-1]
+        cache = cache_of(target(ids, use_cache=True)).layers[-1]
         emb, positions = target.get_input_embeddings()(ids), torch.arange(T)
         full = draft(emb, positions, [(cache.keys, cache.values)] * 2, visible_keys(positions, T, block, phase)[None])
         mine, fed = DynamicCache(), 0
@@ -204,7 +205,7 @@ def test_the_draft_cache_keeps_only_what_was_committed(pair, looping_prompt, mon
     assert len(looping_prompt) < n <= len(seq) - 1
     fresh, target = DynamicCache(), pair.target.module
     with torch.no_grad():
-        kv = target(torch.tensor([seq[:n]]), use_cache=True).cache.layers[-1]
+        kv = cache_of(target(torch.tensor([seq[:n]]), use_cache=True)).layers[-1]
         method.draft.module(method.embed(torch.tensor([seq[:n]])), torch.arange(n), [(kv.keys, kv.values)], None, fresh)
     torch.testing.assert_close(state.dcache.layers[0].keys, fresh.layers[0].keys, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(state.dcache.layers[0].values, fresh.layers[0].values, atol=1e-4, rtol=1e-4)

@@ -17,6 +17,7 @@ from torch import nn
 
 from core.checkpoints import Checkpoint
 from core.errors import BenchError
+from core.kv_cache import cache_of
 from methods._glide_published import FILES, WHAT, published_glide, read_layers
 from tests.helpers import (
     assert_greedy_equal_to_ar,
@@ -127,7 +128,7 @@ def test_the_draft_computes_glides_equations_from_the_file(pair, tmp_path, layer
     assert read_layers(L, layers) == list(range(L - layers, L))
     context, ids = torch.randint(0, target.config.vocab_size, (1, 9)), torch.randint(0, target.config.vocab_size, (6,))
     with torch.no_grad():
-        cache = target(context, use_cache=True).cache
+        cache = cache_of(target(context, use_cache=True))
         kvs = [(cache.layers[i].keys, cache.layers[i].values) for i in read_layers(L, layers)]
         got = draft.head(draft(draft.embed_tokens(ids)[None], torch.arange(6), kvs))[0]
     config = json.loads((folder / "config.json").read_text())

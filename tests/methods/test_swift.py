@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from core.errors import BenchError
+from core.kv_cache import lm_forward
 from core.model_parts import decoder_layers, skipping
 from methods._swift import SkippingLM, SkipSearch, SkipSet
 from methods.swift import Swift
@@ -51,7 +52,7 @@ def test_skipping_drops_exactly_those_sublayers(pair):
     assert type(layer.mlp).__name__ != "Skipped"  # swapped back
     cache = DynamicCache()
     with torch.no_grad(), skipping(model, [1], []):
-        model(ids, cache=cache, use_cache=True)
+        lm_forward(model, ids, cache)
     assert [lay.get_seq_length() for lay in cache.layers] == [ids.shape[1], 0, ids.shape[1]]
 
 
