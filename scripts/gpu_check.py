@@ -1,0 +1,224 @@
+"""The device check: one command for the day a GPU is lent, writing its tables and figures to one folder.
+
+On the lent machine, through the device tool (its own torch and transformers, nothing of ours installed; the
+missing wheels carried from ``scripts/gpu_wheels.sh``): ``bash scripts/gpu_check.sh`` (docs/gpu.md). Steps, in order
+of what matters most, each skipped with a note once the time budget is spent:
+
+1. the machine: versions, the GPU, the keyword the cache goes under (core.kv_cache);
+2. the cache guard and ``ar`` against cache-free greedy decoding, on the tiny pair in fp32, bf16 and fp16;
+3. every method that trains nothing on a synthetic pair of ``--shape`` (default Llama-3.1-8B with Llama-3.2-1B as
+   draft) in bf16, at two acceptance rates, each against ``ar`` on the same prompts;
+4. the GPU test walk (tests/test_gpu.py: every method on the tiny pairs in fp32 and bf16, parts trained on the
+   device, the published layouts), for what time is left.
+
+``--device cpu --shape tiny`` is the dry run CI takes (tests/test_gpu_check.py). Writes ``OUT/summary.md``,
+``OUT/synthetic.csv``, ``OUT/synthetic.png``, ``OUT/check.json`` and the walk's ``OUT/walk.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# Methods that train nothing from the target (a synthetic pair's random weights teach nothing) and whose set-up
+# does not run the target over a corpus (swift's skip-set search, nest's datastore: minutes at 8B).
+SYNTHETIC_METHODS = ["sd", "pld", "cascade", "hierarchy", "spechub", "gsd", "recycling", "samd", "rest", "lookahead"]
+
+
+class Budget:
+    """Seconds left of ``total`` since it was made."""
+
+    def __init__(self, total: float):
+        self.end = time.monotonic() + total
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+
+def compose(overrides: list[str]):
+    from bench.cli import compose as bench_compose
+
+    return bench_compose(overrides)
+
+
+def machine(device: str) -> dict:
+    import torch
+    import transformers
+
+    from core import kv_cache
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "cache_keyword": kv_cache.CACHE_ARG, "device": device}
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
+    return info
+
+
+def guard_rows(device: str, cache: str, tokens: int = 16) -> list[dict]:
+    """Per dtype: the tiny pair loads (the cache guard runs in load_pair) and ``ar``'s greedy tokens equal the argmax
+    of cache-free forwards of the whole sequence."""
+    import torch
+
+    from bench.models import load_pair
+    from tests.helpers import decode, prompts_for
+
+    rows = []
+    for dtype in ("float32", "bfloat16", "float16"):
+        row = {"dtype": dtype}
+        try:
+            pair = load_pair(compose(["pair=tiny", f"device={device}", f"dtype={dtype}", f"cache_dir={cache}"]))
+            row["guard"] = "passed"
+            prompt = prompts_for(pair, 1)[0]
+            out = decode(pair, "ar", prompt, max_new=tokens).output_ids
+            seq = list(prompt)
+            with torch.inference_mode():
+                for _ in range(tokens):
+                    x = torch.tensor([seq], device=pair.device)
+                    seq.append(int(pair.target.module(input_ids=x, use_cache=False).logits[0, -1].argmax()))
+            row["ar_equals_cache_free"] = out == seq[len(prompt):]
+        except Exception as err:  # noqa: BLE001 - the check reports every failure and goes on
+            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        rows.append(row)
+    return rows
+
+
+def synthetic_rows(out: Path, device: str, shape: str, dtype: str, rates: list[float], prompts: int, tokens: int,
+                   cache: str, budget: Budget, methods: list[str]) -> tuple[list[dict], list[str]]:
+    """Every method of ``methods`` against ``ar`` on the synthetic pair of ``shape`` at each rate; the summary rows
+    of each run (its method's row), and what was skipped for time."""
+    from bench.runner import run
+
+    rows, skipped = [], []
+    for rate in rates:
+        for name in methods:
+            if budget.left() < 30:
+                skipped.append(f"{name} at {rate}")
+                continue
+            run_dir = out / "synthetic" / f"{name}-a{rate}"
+            cfg = compose([f"method={name}", "pair=synthetic", f"pair.shape={shape}", f"pair.acceptance={rate}",
+                           f"device={device}", f"dtype={dtype}", f"max_new_tokens={tokens}",
+                           f"dataset.n_prompts={prompts}", "warmup=1", f"cache_dir={cache}"])
+            try:
+                summary = run(cfg, run_dir)
+                rows += [{**r, "acceptance_set": rate} for r in summary if r.get("label") == name or r["method"] == name]
+            except Exception as err:  # noqa: BLE001
+                rows.append({"method": name, "acceptance_set": rate,
+                             "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"})
+    return rows, skipped
+
+
+def leviathan(alpha: float, gamma: int, c: float) -> float:
+    """Leviathan et al.'s expected speedup of a chain of ``gamma`` drafts at acceptance ``alpha``, cost ratio ``c``."""
+    if alpha >= 1:
+        return (gamma + 1) / (gamma * c + 1)
+    return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * c + 1))
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r and r.get("speedup_median") == r.get("speedup_median")]
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    names = sorted({r["method"] for r in ok})
+    rates = sorted({r["acceptance_set"] for r in ok})
+    width = 0.8 / max(len(rates), 1)
+    for j, rate in enumerate(rates):
+        ys = [next((r["speedup_median"] for r in ok if r["method"] == n and r["acceptance_set"] == rate), 0) for n in names]
+        ax.bar([i + j * width for i in range(len(names))], ys, width, label=f"acceptance {rate}")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks([i + width * (len(rates) - 1) / 2 for i in range(len(names))], names, rotation=45, ha="right")
+    ax.set_ylabel("median paired speedup over ar")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+
+
+def walk(out: Path, device: str, quick: bool, budget: Budget) -> dict:
+    """tests/test_gpu.py on ``device`` (quick: the device placement and the harness end to end only), stopped when
+    the budget is spent; its log in ``out/walk.log``."""
+    if budget.left() < 30:
+        return {"skipped": "no time left"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py", "-m", "gpu"]
+    if quick:
+        cmd += ["-k", "on_the_device_without_packed or harness_on_the_device"]
+    env = {**os.environ, "BENCH_GPU_TEST_DEVICE": device}
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(budget.left(), 1))
+        log, status = done.stdout + done.stderr, ("passed" if done.returncode == 0 else f"exit {done.returncode}")
+    except subprocess.TimeoutExpired as err:
+        log, status = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or ""), "timed out"
+    (out / "walk.log").write_text(log)
+    tail = [line for line in log.splitlines() if " passed" in line or " failed" in line][-1:]
+    return {"status": status, "result": tail[0] if tail else ""}
+
+
+def markdown(check: dict) -> str:
+    from tabulate import tabulate
+
+    lines = [f"# Device check, {check['date']}", "", "```", json.dumps(check["machine"], indent=1), "```", "",
+             "## Cache guard and `ar` against cache-free greedy (tiny pair)", "",
+             tabulate(check["guard"], headers="keys", tablefmt="github"), ""]
+    cols = ["method", "acceptance_set", "speedup_median", "speedup_pooled", "mean_accepted", "alpha",
+            "tokens_per_s", "target_calls_per_token", "error"]
+    rows = [{c: r.get(c) for c in cols if c in r or c != "error"} for r in check["synthetic"]]
+    lines += [f"## Synthetic pair: {check['synthetic_pair']}", "", tabulate(rows, headers="keys", tablefmt="github",
+                                                                           floatfmt=".3g"), ""]
+    if check["skipped"]:
+        lines += ["Skipped for time: " + ", ".join(check["skipped"]), ""]
+    lines += ["## GPU test walk", "", json.dumps(check["walk"]), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.environ.get("OUT") or "results/gpu-check", help="folder for the results")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--shape", default="llama-3.1-8b", help="the synthetic target's shape (bench/synthetic.py)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--rates", default="0.6,0.9", help="acceptance rates, comma-separated")
+    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--methods", default=",".join(SYNTHETIC_METHODS))
+    p.add_argument("--walk", choices=["full", "quick", "none"], default="full")
+    p.add_argument("--budget", type=float, default=420.0, help="seconds for the whole check")
+    args = p.parse_args(argv)
+    budget = Budget(args.budget)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cache = str(out / "cache")
+    check = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(args.device), "skipped": []}
+    check["guard"] = guard_rows(args.device, cache)
+    rates = [float(r) for r in args.rates.split(",")]
+    check["synthetic_pair"] = f"{args.shape} in {args.dtype}, {args.prompts} prompts x {args.tokens} tokens"
+    check["synthetic"], check["skipped"] = synthetic_rows(out, args.device, args.shape, args.dtype, rates, args.prompts,
+                                                          args.tokens, cache, budget, args.methods.split(","))
+    check["walk"] = walk(out, args.device, args.walk == "quick", budget) if args.walk != "none" else {"skipped": "--walk none"}
+    check["seconds"] = round(args.budget - budget.left(), 1)
+    (out / "check.json").write_text(json.dumps(check, indent=1, default=str))
+    import pandas as pd
+
+    pd.DataFrame(check["synthetic"]).to_csv(out / "synthetic.csv", index=False)
+    plot(check["synthetic"], out / "synthetic.png", f"synthetic {check['synthetic_pair']}, {check['machine'].get('gpu', args.device)}")
+    (out / "summary.md").write_text(markdown(check))
+    print(markdown(check))
+    failed = any("error" in r or r.get("ar_equals_cache_free") is False for r in check["guard"])
+    return 1 if failed or any("error" in r for r in check["synthetic"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
