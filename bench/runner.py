@@ -185,7 +185,7 @@ def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float, samp
         "new_tokens": new,
         # The answer's length as Spec-Bench's speed.py counts a baseline's: its text tokenized again, less one (the
         # BOS a Llama tokenizer adds; a tokenizer that adds none loses a real token, as there).
-        "specbench_tokens": len(pair.tokenizer(text).input_ids) - 1,
+        "specbench_tokens": None if pair.synthetic else len(pair.tokenizer(text).input_ids) - 1,
         "accept_lengths": decoded.accept_lengths,
         "drafted": decoded.drafted,
         # P(draft token i accepted | tokens before it accepted and i proposed), i = 0, 1, ...; [] without drafts.
