@@ -70,6 +70,7 @@ def guard_rows(device: str, cache: str, tokens: int = 16) -> list[dict]:
     import torch
 
     from bench.models import load_pair
+    from core.kv_cache import lm_forward
     from tests.helpers import decode, prompts_for
 
     rows = []
@@ -84,7 +85,7 @@ def guard_rows(device: str, cache: str, tokens: int = 16) -> list[dict]:
             with torch.inference_mode():
                 for _ in range(tokens):
                     x = torch.tensor([seq], device=pair.device)
-                    seq.append(int(pair.target.module(input_ids=x, use_cache=False).logits[0, -1].argmax()))
+                    seq.append(int(lm_forward(pair.target.module, x).logits[0, -1].argmax()))  # no cache
             row["ar_equals_cache_free"] = out == seq[len(prompt):]
         except Exception as err:  # noqa: BLE001 - the check reports every failure and goes on
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
