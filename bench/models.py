@@ -145,6 +145,11 @@ class PairSettings(Settings):
     acceptance: float | None = Field(None, ge=0, le=1, description="a synthetic pair's acceptance: the target "
                                      "keeps each drafted token with this probability (decoding/set_acceptance.py)")
 
+    @field_validator("shape")
+    @classmethod
+    def known_pair_shape(cls, shape):
+        return SyntheticModel.known_shape(shape)
+
     @model_validator(mode="after")
     def synthetic_shapes(self):
         """A synthetic pair has synthetic models only, an acceptance, and every model's shape filled in (the

@@ -86,3 +86,23 @@ def test_a_synthetic_run_accepts_everything_or_nothing(compose_cfg, tmp_path):
             assert all(a == 1 for a, _ in steps)
         else:
             assert all(a == d + 1 for a, d in steps[:-1])
+
+
+@pytest.mark.parametrize("args,said", [
+    (["method=medusa"], "method=medusa trains a part from the target, which pair=synthetic-tiny-a0.7 (random weights)"),
+    (["method=sd", "temperature=0.7"], "sets the target's greedy choice by its acceptance; run it with temperature=0."),
+    (["method=sd", "pair.shape=gpt-9"], "unknown shape 'gpt-9'; the shapes are smollm2-135m,"),
+])
+def test_what_a_synthetic_pair_cannot_run_is_one_sentence(args, said, capsys):
+    from bench.__main__ import main
+
+    assert main(["run", "pair=synthetic", "pair.shape=tiny", *args]) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_acceptance_on_a_real_pair_is_one_sentence(capsys):
+    from bench.__main__ import main
+
+    assert main(["run", "pair=tiny", "pair.acceptance=0.5"]) == 2
+    assert "acceptance and shape are settings of a synthetic pair" in capsys.readouterr().err
