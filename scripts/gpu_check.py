@@ -67,11 +67,8 @@ def machine(device: str) -> dict:
 def guard_rows(device: str, cache: str, tokens: int = 16) -> list[dict]:
     """Per dtype: the tiny pair loads (the cache guard runs in load_pair) and ``ar``'s greedy tokens equal the argmax
     of cache-free forwards of the whole sequence."""
-    import torch
-
     from bench.models import load_pair
-    from core.kv_cache import lm_forward
-    from tests.helpers import decode, prompts_for
+    from tests.helpers import cache_free_greedy, decode, prompts_for
 
     rows = []
     for dtype in ("float32", "bfloat16", "float16"):
@@ -81,12 +78,7 @@ def guard_rows(device: str, cache: str, tokens: int = 16) -> list[dict]:
             row["guard"] = "passed"
             prompt = prompts_for(pair, 1)[0]
             out = decode(pair, "ar", prompt, max_new=tokens).output_ids
-            seq = list(prompt)
-            with torch.inference_mode():
-                for _ in range(tokens):
-                    x = torch.tensor([seq], device=pair.device)
-                    seq.append(int(lm_forward(pair.target.module, x).logits[0, -1].argmax()))  # no cache
-            row["ar_equals_cache_free"] = out == seq[len(prompt):]
+            row["ar_equals_cache_free"] = out == cache_free_greedy(pair, prompt, tokens)
         except Exception as err:  # noqa: BLE001 - the check reports every failure and goes on
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         rows.append(row)

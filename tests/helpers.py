@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from core.kv_cache import cache_of
+from core.kv_cache import cache_of, lm_forward
 from decoding.sampling import Sampling, probs_from_logits
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
@@ -188,6 +188,17 @@ def assert_cache_is_a_plain_pass(module, cache, prompt: list[int], seq: list[int
     for mine, ref in zip(cache.layers, fresh.layers, strict=True):
         torch.testing.assert_close(mine.keys, ref.keys, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(mine.values, ref.values, atol=1e-4, rtol=1e-4)
+
+
+def cache_free_greedy(pair, prompt: list[int], max_new: int) -> list[int]:
+    """The plainest greedy decoding there is: the whole sequence read again by the target, without any cache, for
+    each of ``max_new`` new tokens. What ``ar`` (which judges every method) is judged by."""
+    seq = list(prompt)
+    with torch.inference_mode():
+        for _ in range(max_new):
+            x = torch.tensor([seq], device=pair.device)
+            seq.append(int(lm_forward(pair.target.module, x).logits[0, -1].argmax()))
+    return seq[len(prompt):]
 
 
 def run_keeping_state(method, *args, **kwargs):

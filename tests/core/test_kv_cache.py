@@ -91,16 +91,10 @@ def test_loading_a_pair_refuses_a_release_that_names_the_cache_otherwise(compose
 def test_ar_is_the_argmax_of_cache_free_forwards(tiny_pair):
     """`ar` judges every method; here it is judged by the plainest decoding there is: the whole sequence read
     again, without any cache, for each new token."""
-    from tests.helpers import decode, prompts_for
+    from tests.helpers import cache_free_greedy, decode, prompts_for
 
     prompt = prompts_for(tiny_pair, 1)[0]
-    out = decode(tiny_pair, "ar", prompt, max_new=12).output_ids
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(12):
-            logits = tiny_pair.target.module(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1]
-            seq.append(int(logits.argmax()))
-    assert out == seq[len(prompt):]
+    assert decode(tiny_pair, "ar", prompt, max_new=12).output_ids == cache_free_greedy(tiny_pair, prompt, 12)
 
 
 def _cache_keywords(tree) -> list[int]:
