@@ -213,7 +213,7 @@ def train_main(args: list[str]) -> int:
                          "'python -m bench train all recipe=full').")
     if args[0] == "store":
         return train_store(args[1:])
-    from bench.models import load_pair, train_drafts
+    from bench.models import draft_reports, load_pair, train_drafts
     from bench.validate import validate
     from methods.registry import get_method, known_methods
 
@@ -225,14 +225,14 @@ def train_main(args: list[str]) -> int:
     names = [cfg.method.name] if args[0] == "method" else picked or known_methods()
     every_draft = args[0] == "draft" or (args[0] == "all" and not picked)
     n_drafts = None if every_draft else max(get_method(n).drafts for n in names)
-    start = time.perf_counter()
-    drafts = train_drafts(cfg, n_drafts)
     if args[0] == "draft":
-        for report in drafts:
+        for report in train_drafts(cfg, n_drafts):
             print(json.dumps(report, indent=2))
         return 0
-    pair = load_pair(cfg, n_drafts=n_drafts)
-    reports = {"pair (stores and drafts)": {"seconds": round(time.perf_counter() - start, 1), "drafts": drafts}}
+    start = time.perf_counter()
+    pair = load_pair(cfg, n_drafts=n_drafts)  # distils the drafts that are missing, from the target it loads
+    reports = {"pair (stores and drafts)": {"seconds": round(time.perf_counter() - start, 1),
+                                            "drafts": draft_reports(pair)}}
     for name in names:
         method_cls = get_method(name)
         if method_cls.drafts and not pair.drafts:  # as Method.check_pair says: a drafting method needs a draft

@@ -20,7 +20,7 @@ from pydantic import Field, field_validator, model_validator
 
 from bench.synthetic import SHAPES, synthetic_model
 from core import files
-from core.artifacts import Artifact, file_sha256, load_or_build, problem
+from core.artifacts import Artifact, file_sha256, load_or_build
 from core.counting import CountedLM
 from core.errors import BenchError
 from core.kv_cache import check_cache_used
@@ -302,14 +302,16 @@ def specials_of(tokenizer) -> dict[str, int]:
     return {k: v for k, v in ids.items() if v is not None}
 
 
-def hub_model(source: str, dtype: torch.dtype):
-    """A causal LM by hub id or local path (the loading code users run with a hub)."""
+def hub_model(source: str, dtype: torch.dtype, device: torch.device):
+    """A causal LM by hub id or local path (the loading code users run with a hub), read straight into ``dtype``
+    on ``device``: no float32 copy on the host first (a 33B target would need 132 GB of it)."""
     from transformers import AutoModelForCausalLM
 
     if files.looks_local(source):
         files.check_model_folder(Path(source).expanduser())  # one sentence for a bad folder, before transformers
     try:
-        return AutoModelForCausalLM.from_pretrained(Path(source).expanduser() if Path(source).expanduser().exists() else source, dtype=dtype)
+        return AutoModelForCausalLM.from_pretrained(Path(source).expanduser() if Path(source).expanduser().exists() else source,
+                                                    dtype=dtype, device_map=device)
     except OSError as err:
         raise BenchError(f"could not load model '{source}' (offline, or not a model folder): {str(err).splitlines()[0]}") from None
 
@@ -340,13 +342,20 @@ def _target_tokenizer(spec: DictConfig, cache: Path):
     raise AssertionError(f"target source '{src}' passed PairSettings but has no loader")
 
 
-def _load_target(spec: DictConfig, tokenizer, dtype, cache: Path):
+def _load_target(spec: DictConfig, tokenizer, device: torch.device, dtype: torch.dtype, cache: Path):
+    """The target in eval mode on ``device`` in ``dtype``, loaded there directly (a hub or packaged model) or
+    made there (a synthetic one); a tiny random one is made on the CPU in float32 and moved, so its seeded
+    weights, and what is trained from them, are the same on every device."""
     src = spec.source
     if src == "hub":
-        return hub_model(spec.id, dtype)
-    if src == "gguf_package":
-        return hub_model(str(packaged_gguf_folder(spec, cache)), dtype)
-    return random_model(spec, len(tokenizer), specials_of(tokenizer))
+        model = hub_model(spec.id, dtype, device)
+    elif src == "gguf_package":
+        model = hub_model(str(packaged_gguf_folder(spec, cache)), dtype, device)
+    elif src == "synthetic":
+        model = synthetic_model(spec.shape, spec.seed, device, dtype, specials_of(tokenizer))
+    else:
+        model = random_model(spec, len(tokenizer), specials_of(tokenizer)).to(device=device, dtype=dtype)
+    return model.eval()
 
 
 def _merges(tokenizer) -> list | None:
@@ -382,15 +391,22 @@ def check_draft_tokenizer(pair_name: str, i: int, spec: DictConfig, target_tok) 
                          "runs on the target alone).")
 
 
-def _load_draft(spec: DictConfig, target, tokenizer, teacher: Teacher):
+def _load_draft(spec: DictConfig, target, tokenizer, teacher: Teacher, device: torch.device, dtype: torch.dtype):
+    """A draft in eval mode on ``device`` in ``dtype``: loaded or made there as :func:`_load_target` says; a
+    distilled one is read from the cache (distilled first from ``target`` when missing and the teacher may build)."""
     src = spec.source
     if src == "hub":
-        return hub_model(spec.id, torch.float32)
-    if src == "random":
-        return random_model(spec, target.config.vocab_size, specials_of(tokenizer))
-    if src == "distilled":  # read from the cache only: train_drafts distils a missing one
-        return load_or_build(draft_artifact(target, tokenizer, spec.recipe, teacher), teacher.cache, False)
-    raise AssertionError(f"draft source '{src}' passed PairSettings but has no loader")
+        model = hub_model(spec.id, dtype, device)
+    elif src == "synthetic":
+        model = synthetic_model(spec.shape, spec.seed, device, dtype, specials_of(tokenizer))
+    elif src == "random":
+        model = random_model(spec, target.config.vocab_size, specials_of(tokenizer))
+    elif src == "distilled":
+        model = load_or_build(draft_artifact(target, tokenizer, spec.recipe, teacher), teacher.cache,
+                              teacher.build_if_missing)
+    else:
+        raise AssertionError(f"draft source '{src}' passed PairSettings but has no loader")
+    return model.to(device=device, dtype=dtype).eval()  # a no-op for one loaded or made there
 
 
 def _pair_settings(cfg: DictConfig) -> tuple[DictConfig, Path, Teacher]:
@@ -408,33 +424,32 @@ def _pair_settings(cfg: DictConfig) -> tuple[DictConfig, Path, Teacher]:
 
 def train_drafts(cfg: DictConfig, n_drafts: int | None = None) -> list[dict]:
     """Distil each missing draft among the pair's first ``n_drafts`` (``None``: all) whose source is
-    ``distilled``; returns every such draft's training report, cached ones included.
-
-    The one place a draft is trained: the runner and ``python -m bench train`` call it before
-    :func:`load_pair`, which only reads drafts. The target loads here in fp32 for the labelling and the
-    training (on ``cfg.device``), and only when the pair has a distilled draft to check.
-    """
+    ``distilled`` (``python -m bench train draft``); returns every such draft's training report, cached ones
+    included. The target loads once, as :func:`load_pair` loads it, and only when the pair has such a draft."""
     pair_cfg, cache, teacher = _pair_settings(cfg)
     specs = [s for s in list(pair_cfg.get("drafts") or [])[:n_drafts] if s.source == "distilled"]
     if not specs:
         return []
     teacher.build_if_missing = True
-    tokenizer = _target_tokenizer(pair_cfg.target, cache)
-    target = _load_target(pair_cfg.target, tokenizer, torch.float32, cache).eval()
     device = resolve_device(cfg.device)
-    reports = []
+    tokenizer = _target_tokenizer(pair_cfg.target, cache)
+    target = _load_target(pair_cfg.target, tokenizer, device, resolve_dtype(cfg.dtype, device), cache)
     for spec in specs:
-        art = draft_artifact(target, tokenizer, spec.recipe, teacher, device)
-        if problem(art.folder(cache)) is not None:  # missing or broken: built here; a complete one load_pair reads
-            load_or_build(art, cache)
-        reports.append(draft_report(target, tokenizer, spec.recipe, teacher))
-    return reports
+        _load_draft(spec, target, tokenizer, teacher, device, torch.float32)
+    return [draft_report(target, tokenizer, spec.recipe, teacher) for spec in specs]
+
+
+def draft_reports(pair: Pair) -> list[dict]:
+    """The training report of each of ``pair``'s loaded drafts whose source is ``distilled``."""
+    specs = list(pair.spec.get("drafts") or [])[:len(pair.drafts)]
+    return [draft_report(pair.target.module, pair.tokenizer, s.recipe, pair.teacher) for s in specs if s.source == "distilled"]
 
 
 def load_pair(cfg: DictConfig, n_drafts: int | None = None) -> Pair:
-    """Load ``cfg.pair`` (target + drafts) on ``cfg.device`` in ``cfg.dtype``, all in eval mode. Loading never
-    trains: a distilled draft missing from the cache is an error naming the command that builds it
-    (:func:`train_drafts` distils it; the runner calls it first when ``train_if_missing``).
+    """Load ``cfg.pair`` (target + drafts) on ``cfg.device`` in ``cfg.dtype``, all in eval mode, each read or
+    made there directly (no float32 copy on the host). A distilled draft missing from the cache is distilled
+    from this target first when ``cfg.train_if_missing`` (the target loads once per run), else it is an error
+    naming the command that builds it.
 
     ``n_drafts``: how many of the pair's drafts to load, first ones first (``None``: all). A run loads only
     what its methods use (``Method.drafts``): ``ar`` never needs a draft it would not run.
@@ -445,27 +460,15 @@ def load_pair(cfg: DictConfig, n_drafts: int | None = None) -> Pair:
     pair_cfg, cache, teacher = _pair_settings(cfg)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    # Models load in fp32 on the CPU first (a distilled draft's key is the fp32 target's fingerprint), then
-    # move to the run's device and dtype.
     tokenizer = _target_tokenizer(pair_cfg.target, cache)
     specs = list(pair_cfg.get("drafts") or [])[:n_drafts]
     for i, dspec in enumerate(specs):  # before any weights load: a draft that tokenizes otherwise is refused
         if dspec.source == "hub":
             check_draft_tokenizer(pair_cfg.name, i, dspec, tokenizer)
-    if pair_cfg.target.source == "synthetic":  # made where it runs, in the run's dtype: no float32 host copy
-        target = synthetic_model(pair_cfg.target.shape, pair_cfg.target.seed, device, dtype, specials_of(tokenizer))
-    else:
-        target = _load_target(pair_cfg.target, tokenizer, torch.float32, cache)
-    target.eval()
-    drafts = []
-    for i, dspec in enumerate(specs):
-        if dspec.source == "synthetic":
-            d = synthetic_model(dspec.shape, dspec.seed, device, dtype, specials_of(tokenizer))
-        else:
-            d = _load_draft(dspec, target, tokenizer, teacher)
-        # A no-op for a model already there (a synthetic one).
-        drafts.append(CountedLM(d.to(device=device, dtype=dtype).eval(), "draft" if i == 0 else f"draft{i + 1}"))
-    target = CountedLM(target.to(device=device, dtype=dtype), "target")
+    target = _load_target(pair_cfg.target, tokenizer, device, dtype, cache)
+    drafts = [CountedLM(_load_draft(dspec, target, tokenizer, teacher, device, dtype), "draft" if i == 0 else f"draft{i + 1}")
+              for i, dspec in enumerate(specs)]
+    target = CountedLM(target, "target")
     if pair_cfg.get("acceptance") is not None:
         target.acceptance = SetAcceptance(pair_cfg.acceptance, seed=int(cfg.get("seed", 0)))
     # A model that drops the cache (a transformers release that names it otherwise, a custom forward) would make

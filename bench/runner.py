@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from bench import quality, summary
 from bench.data import encode, load_prompts
-from bench.models import load_pair, train_drafts
+from bench.models import load_pair
 from bench.results import (
     RecordWriter,
     previous_records,
@@ -221,9 +221,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
 
     methods_, encoded, tensors = {}, [], []
     if todo:
-        if cfg.train_if_missing:  # the drafts the methods use, distilled first when missing: loading only reads
-            train_drafts(cfg, drafts_needed(mcfgs))
-        pair = load_pair(cfg, n_drafts=drafts_needed(mcfgs))
+        pair = load_pair(cfg, n_drafts=drafts_needed(mcfgs))  # a missing distilled draft is distilled first
         methods_ = build_methods(cfg, mcfgs, pair)
         sampling = Sampling(float(cfg.temperature), float(cfg.top_p))
         encoded = [encode(p, pair.tokenizer, cfg.dataset.get("template")) for _, p in todo]

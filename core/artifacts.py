@@ -74,15 +74,61 @@ def weights_sha256(module) -> str:
     Rounding first makes the fp32 CPU copy and the bf16 GPU copy of the same weights hash alike (both round
     to nearest even), while any retraining changes it. Hashing bytes is exact, and several times faster than
     summing the values in float64 (~1 s for a 135M-parameter fp32 model on 2 busy cores).
+
+    A parameter whose name and shape its source's safetensors files hold (:func:`source_tensors`) is hashed
+    from the file, not from memory: the key does not depend on the dtype the run loaded the model in (fp16
+    rounds some bf16 values that fp32 and bf16 keep) nor on its device (no copy of a GPU model to the host).
     """
     import torch
 
     h = hashlib.sha256()
-    with torch.no_grad():
+    with torch.no_grad(), source_tensors(module) as stored:
         for name, p in module.named_parameters():
+            value = stored(name, tuple(p.shape))
             h.update(name.encode())
-            h.update(p.detach().to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy())
+            h.update((p.detach() if value is None else value).to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy())
     return h.hexdigest()[:16]
+
+
+def source_folder(module) -> Path | None:
+    """The local folder a transformers model was loaded from (``config._name_or_path``: a path, or a hub id
+    found in the local hub cache), or ``None`` (a model built in code, or a hub id not cached here)."""
+    name = str(getattr(getattr(module, "config", None), "_name_or_path", "") or "")
+    if not name:
+        return None
+    if Path(name).expanduser().is_dir():
+        return Path(name).expanduser()
+    try:
+        from transformers.utils import cached_file
+
+        found = cached_file(name, "config.json", local_files_only=True, _raise_exceptions_for_missing_entries=False)
+    except (OSError, ValueError):
+        return None
+    return Path(found).parent if found else None
+
+
+@contextlib.contextmanager
+def source_tensors(module):
+    """Yields ``stored(name, shape)``: that tensor as the model's source safetensors files hold it (on the CPU,
+    in the file's dtype), or ``None`` when no file holds it at that shape (a model built in code, a ``.bin``
+    checkpoint, a weight renamed or reshaped on load)."""
+    from safetensors import safe_open
+
+    folder = source_folder(module)
+    where = {}
+    with contextlib.ExitStack() as stack:
+        for path in sorted(folder.glob("*.safetensors")) if folder is not None else []:
+            handle = stack.enter_context(safe_open(str(path), framework="pt"))
+            for key in handle.keys():
+                where.setdefault(key, handle)
+
+        def stored(name: str, shape: tuple):
+            handle = where.get(name)
+            if handle is None or tuple(handle.get_slice(name).get_shape()) != shape:
+                return None
+            return handle.get_tensor(name)
+
+        yield stored
 
 
 def model_fingerprint(module) -> dict:

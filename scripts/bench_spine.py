@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.cli import compose  # noqa: E402
 from bench.data import encode, load_prompts  # noqa: E402
-from bench.models import load_pair, train_drafts  # noqa: E402
+from bench.models import load_pair  # noqa: E402
 from bench.results import provenance, write_json_atomic  # noqa: E402
 from bench.runner import clocked, cost_ratio, timed_decode  # noqa: E402
 from bench.validate import validate  # noqa: E402
@@ -60,8 +60,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "bench_spine")
     args, overrides = ap.parse_known_args(argv)
     cfg = validate(compose(["method=sd", *overrides]))  # defaults filled in (max_new_tokens: the dataset's)
-    train_drafts(cfg)
-    pair = load_pair(cfg)
+    pair = load_pair(cfg)  # distils the draft first when it is missing
     prompts = load_prompts(cfg.dataset, cfg.seed)
     xs = [torch.tensor([encode(p, pair.tokenizer)], device=pair.device) for p in prompts]
     ar = get_method("ar")(compose(["method=ar"]).method, pair)

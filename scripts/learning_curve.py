@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.cli import compose  # noqa: E402
-from bench.models import load_pair, resolve_device, train_drafts  # noqa: E402
+from bench.models import load_pair, resolve_device  # noqa: E402
 from bench.plots import save_learning_curve  # noqa: E402
 from bench.results import provenance, write_json_atomic  # noqa: E402
 from bench.validate import validate  # noqa: E402
@@ -43,8 +43,7 @@ def point(overrides: list[str], tokens: int, methods: list[str]) -> tuple[dict, 
     """Train (or read back) the draft and the heads under ``recipe.tokens=tokens``; their held-out figures and
     the config they were trained under."""
     cfg = validate(compose([*overrides, f"recipe.tokens={tokens}"]))
-    train_drafts(cfg, n_drafts=1)
-    pair = load_pair(cfg, n_drafts=1)
+    pair = load_pair(cfg, n_drafts=1)  # distils the draft first when it is missing
     specs = [s for s in cfg.pair.get("drafts") or [] if s.source == "distilled"]
     row = {"tokens": tokens, "recipe": cfg.recipe.name}
     if specs:

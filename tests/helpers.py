@@ -214,10 +214,9 @@ def run_keeping_state(method, *args, **kwargs):
 
 
 def trained_pair(cfg, n_drafts=None):
-    """The pair of ``cfg`` as a run gets it: its missing distilled drafts trained first (loading only reads)."""
-    from bench.models import load_pair, train_drafts
+    """The pair of ``cfg`` as a run gets it: its missing distilled drafts trained first (``train_if_missing``)."""
+    from bench.models import load_pair
 
-    train_drafts(cfg, n_drafts)
     return load_pair(cfg, n_drafts=n_drafts)
 
 

@@ -31,6 +31,7 @@ from core.model_parts import copy_from
 from training.kit import (
     budget,
     fit_and_measure,
+    fp32_eval,
     part_artifact,
     part_epochs,
     part_key,
@@ -165,7 +166,7 @@ def train_draft(target, tokenizer, recipe: DistillRecipe, teacher: Teacher) -> t
     """Distil a draft from the frozen target on the teacher store (packaged text and the target's own answers,
     interleaved at random); returns the draft and its training report (held-out agreement, by kind of text)."""
     torch.manual_seed(recipe.seed)
-    target = target.float().eval()
+    target = fp32_eval(target)  # a float32 copy of a bf16 or fp16 run's target, the target itself otherwise
     train = store_data(teacher.store(target, tokenizer, "train"), ("ids", "idx", "prob", "mask", "answer"))
     held_store = teacher.store(target, tokenizer, "test")
     held = store_data(held_store, ("ids", "idx", "mask", "answer"))
@@ -197,22 +198,16 @@ def train_draft(target, tokenizer, recipe: DistillRecipe, teacher: Teacher) -> t
     return draft.cpu(), report
 
 
-def draft_artifact(target, tokenizer, recipe: DistillRecipe, teacher: Teacher, device=None) -> Artifact:
+def draft_artifact(target, tokenizer, recipe: DistillRecipe, teacher: Teacher) -> Artifact:
     """The distilled draft of (target, recipe, the run's training recipe) as a cached artifact: ``draft.pt``
-    (config and weights).
+    (config and weights). Trained where the target is (the run's device), beside it in fp32.
 
     Keyed by the target's weights, not its path: the same target found elsewhere keeps its draft.
     """
     ident = model_fingerprint(target)
 
     def train() -> tuple[DraftLM, dict]:
-        # Trained beside the fp32 target on ``device`` (the run's: the GPU, when there is one), which goes back
-        # where it was after: only a draft that must be trained costs the fp32 target's memory there.
-        home = next(target.parameters()).device
-        try:
-            return train_draft(target.to(device or home), tokenizer, recipe, teacher)
-        finally:
-            target.to(home)
+        return train_draft(target, tokenizer, recipe, teacher)
 
     def load(blob: dict) -> DraftLM:
         draft = DraftLM(target.config.__class__.from_dict(blob["config"]), blob["state"]["vocab_map"])

@@ -6,7 +6,7 @@ from omegaconf import OmegaConf
 
 from bench.models import load_pair, train_drafts
 from core.errors import BenchError
-from tests.helpers import decode, prompts_for
+from tests.helpers import decode, local_folder, prompts_for
 from training.distill import draft_from_target
 
 
@@ -20,6 +20,42 @@ def test_hub_pair_loads_from_local_folders(tiny_pair, compose_cfg, tmp_path):
     pair = load_pair(cfg)
     ids = prompts_for(pair, 1)[0]
     assert decode(pair, "sd", ids, max_new=16, gamma=3).output_ids == decode(tiny_pair, "ar", ids, max_new=16).output_ids
+
+
+def test_a_folder_model_loads_in_the_runs_dtype_and_keeps_its_key_in_every_dtype(tmp_path, monkeypatch):
+    """A hub or folder model is read straight into the run's dtype on its device (no float32 host copy), and
+    what is trained from it is found again whatever dtype a later run loads it in: its key is read from the
+    folder's files. A weight below fp16's normal range makes the fp16 copy round otherwise than bf16's."""
+    from transformers import AutoModelForCausalLM
+
+    from bench.models import hub_model
+    from core.artifacts import model_fingerprint
+
+    tiny = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2}
+    folder = local_folder(tmp_path / "m", "llama", **tiny)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, :3] = torch.tensor([1.2345e-6, -3.21e-7, 7e-6])
+    model.save_pretrained(folder)
+    calls = []
+    real = AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: calls.append(k) or real(*a, **k))
+    keys, in_memory = {}, {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        model = hub_model(folder, dtype, torch.device("cpu"))
+        assert {p.dtype for p in model.parameters()} == {dtype}
+        keys[dtype] = model_fingerprint(model)
+        model.config._name_or_path = "m"  # the same name, no folder: hashed from memory
+        in_memory[dtype] = model_fingerprint(model)
+    assert [(c["dtype"], c["device_map"]) for c in calls] == [
+        (d, torch.device("cpu")) for d in (torch.float32, torch.bfloat16, torch.float16)]
+    assert keys[torch.float16] == keys[torch.bfloat16] == keys[torch.float32] == in_memory[torch.float32]
+    assert in_memory[torch.float16] != in_memory[torch.float32]  # what reading the files avoids
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 5] += 0.01
+    model.float().save_pretrained(tmp_path / "other" / "m")
+    assert model_fingerprint(hub_model(str(tmp_path / "other" / "m"), torch.float16, torch.device("cpu"))) != keys[torch.float32]
 
 
 def bpe_tokenizer(vocab: dict, merges: list):
@@ -92,24 +128,30 @@ def distilled_cfg(compose_cfg):
     return cfg
 
 
-def test_loading_a_pair_never_trains_its_draft(compose_cfg, tmp_path, monkeypatch):
-    """A distilled draft missing from the cache: load_pair names the command that builds it and trains nothing
-    (the runner calls train_drafts first); train_drafts distils it, and only once."""
+def test_a_missing_draft_is_distilled_once_from_the_one_loaded_target(compose_cfg, tmp_path, monkeypatch):
+    """A distilled draft missing from the cache: with ``train_if_missing=false`` load_pair names the command that
+    builds it and trains nothing; otherwise it distils it from the target it loaded (the target loads once per
+    run) and only once; train_drafts reads it back."""
+    from bench import models
     from training import distill
 
-    cfg = compose_cfg("pair=tiny", f"cache_dir={tmp_path}")
+    cfg = compose_cfg("pair=tiny", f"cache_dir={tmp_path}", "train_if_missing=false")
     cfg.pair.drafts = [OmegaConf.create({"source": "distilled", "recipe": {"layers": [0], "vocab": 64}})]
-    trained = []
-    real = distill.train_draft
-    monkeypatch.setattr(distill, "train_draft", lambda *a, **k: trained.append(1) or real(*a, **k))
+    trained, loads = [], []
+    real_train, real_load = distill.train_draft, models._load_target
+    monkeypatch.setattr(distill, "train_draft", lambda *a, **k: trained.append(1) or real_train(*a, **k))
+    monkeypatch.setattr(models, "_load_target", lambda *a, **k: loads.append(1) or real_load(*a, **k))
     with pytest.raises(BenchError, match=r"no cached distilled draft at .*python -m bench train draft"):
         load_pair(cfg)
     assert trained == [] and not list(tmp_path.glob("drafts/**/draft.pt"))
     assert load_pair(cfg, n_drafts=0).drafts == []  # a run without a drafting method needs no draft
+    cfg.train_if_missing = True
+    loads.clear()
+    pair = load_pair(cfg)
+    assert trained == [1] and loads == [1] and type(pair.draft.module).__name__ == "DraftLM"
     reports = train_drafts(cfg)
-    assert trained == [1] and [r["vocab"] for r in reports] == [64]
-    assert train_drafts(cfg) == reports and trained == [1]  # cached: read back, reported again
-    assert type(load_pair(cfg).draft.module).__name__ == "DraftLM"
+    assert trained == [1] and [r["vocab"] for r in reports] == [64]  # cached: read back, reported
+    assert models.draft_reports(pair) == reports
 
 
 def test_distilled_draft_trains_caches_and_is_lossless(distilled_cfg):
@@ -133,11 +175,12 @@ def test_corrupt_draft_cache_is_rebuilt_or_one_clear_error(distilled_cfg):
     assert 0 <= report["answer_token_agreement"] <= 1
     blob = (folder / "draft.pt").read_bytes()
     (folder / "draft.pt").write_bytes(blob[: len(blob) // 3])
+    distilled_cfg.train_if_missing = False
     with pytest.raises(BenchError, match=r"distilled draft at .* cannot be used \(draft.pt has .*truncated.*"
                                          r"python -m bench train draft"):
         load_pair(distilled_cfg)
-    train_drafts(distilled_cfg)  # building allowed: distilled again
-    again = load_pair(distilled_cfg)
+    distilled_cfg.train_if_missing = True
+    again = load_pair(distilled_cfg)  # building allowed: distilled again
     assert (folder / "draft.pt").stat().st_size == len(blob)
     ids = prompts_for(again, 1)[0]
     assert decode(again, "sd", ids, max_new=16, gamma=3).output_ids == decode(again, "ar", ids, max_new=16).output_ids
