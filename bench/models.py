@@ -6,6 +6,7 @@ Every model is returned inside a :class:`core.counting.CountedLM` tagged with it
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -439,6 +440,20 @@ def train_drafts(cfg: DictConfig, n_drafts: int | None = None) -> list[dict]:
     return [draft_report(target, tokenizer, spec.recipe, teacher) for spec in specs]
 
 
+@contextlib.contextmanager
+def refused_if_too_large(pair_name: str, device: torch.device):
+    """One sentence, not a traceback, when the pair does not fit in the device's memory (a run uses one device)."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        size = ""
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            size = f" ({total / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free after the attempt)"
+        raise BenchError(f"pair={pair_name} does not fit in {device}'s memory{size}: a smaller dtype or pair, or a "
+                         "larger GPU; splitting a target over several GPUs is not supported yet.") from None
+
+
 def draft_reports(pair: Pair) -> list[dict]:
     """The training report of each of ``pair``'s loaded drafts whose source is ``distilled``."""
     specs = list(pair.spec.get("drafts") or [])[:len(pair.drafts)]
@@ -465,9 +480,10 @@ def load_pair(cfg: DictConfig, n_drafts: int | None = None) -> Pair:
     for i, dspec in enumerate(specs):  # before any weights load: a draft that tokenizes otherwise is refused
         if dspec.source == "hub":
             check_draft_tokenizer(pair_cfg.name, i, dspec, tokenizer)
-    target = _load_target(pair_cfg.target, tokenizer, device, dtype, cache)
-    drafts = [CountedLM(_load_draft(dspec, target, tokenizer, teacher, device, dtype), "draft" if i == 0 else f"draft{i + 1}")
-              for i, dspec in enumerate(specs)]
+    with refused_if_too_large(pair_cfg.name, device):
+        target = _load_target(pair_cfg.target, tokenizer, device, dtype, cache)
+        drafts = [CountedLM(_load_draft(dspec, target, tokenizer, teacher, device, dtype), "draft" if i == 0 else f"draft{i + 1}")
+                  for i, dspec in enumerate(specs)]
     target = CountedLM(target, "target")
     if pair_cfg.get("acceptance") is not None:
         target.acceptance = SetAcceptance(pair_cfg.acceptance, seed=int(cfg.get("seed", 0)))

@@ -233,3 +233,14 @@ def test_load_pair_applies_threads(compose_cfg):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_pair_too_large_for_the_device_is_one_sentence(compose_cfg, monkeypatch):
+    from bench import models
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.96 GiB")
+
+    monkeypatch.setattr(models, "_load_target", out_of_memory)
+    with pytest.raises(BenchError, match=r"^pair=tiny does not fit in cpu's memory .*not supported yet\.$"):
+        load_pair(compose_cfg("pair=tiny"))
