@@ -242,5 +242,5 @@ def test_a_pair_too_large_for_the_device_is_one_sentence(compose_cfg, monkeypatc
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.96 GiB")
 
     monkeypatch.setattr(models, "_load_target", out_of_memory)
-    with pytest.raises(BenchError, match=r"^pair=tiny does not fit in cpu's memory .*not supported yet\.$"):
+    with pytest.raises(BenchError, match=r"^pair=tiny does not fit in cpu's memory: .*not supported yet\.$"):
         load_pair(compose_cfg("pair=tiny"))
