@@ -12,10 +12,7 @@ from markdown.extensions.toc import slugify
 
 from tests.helpers import ROOT
 
-try:
-    from methods.registry import get_method, known_methods
-except ImportError:  # the registry's home before the layout of issue 29
-    from bench.registry import get_method, known_methods
+from methods.registry import get_method, known_methods
 
 README = ROOT / "README.md"
 MAX_README_LINES = 220
