@@ -24,6 +24,7 @@ from core import files
 from core.artifacts import Artifact, file_sha256, load_or_build
 from core.counting import CountedLM
 from core.errors import BenchError
+from core.gqa_attention import switch_on
 from core.kv_cache import check_cache_used
 from core.pair import Pair
 from core.schema import Settings, as_config, check
@@ -527,10 +528,17 @@ def load_pair(cfg: DictConfig, n_drafts: int | None = None) -> Pair:
     target = CountedLM(target, "target")
     if pair_cfg.get("acceptance") is not None:
         target.acceptance = SetAcceptance(pair_cfg.acceptance, seed=int(cfg.get("seed", 0)))
+    # Verification's masked multi-row forwards of a GQA model without transformers' copy of the keys and values,
+    # which ar's one-row steps never pay (docs/measuring.md, "Grouped-query attention"). CPU only until it has
+    # been measured on a GPU.
+    if device.type == "cpu":
+        for lm in (target, *drafts):
+            switch_on(lm.module)
     # A model that drops the cache (a transformers release that names it otherwise, a custom forward) would make
     # every method and the baseline agree on the same wrong tokens: refused here, before anything is timed.
     for lm in (target, *drafts):
         check_cache_used(lm.module, "the target" if lm.role == "target" else f"the {lm.role} model")
+    attention = {lm.role: getattr(lm.module.config, "_attn_implementation", None) for lm in (target, *drafts)}
     kernels = {}
     if cfg.get("packed_linear", True) and device.type == "cpu" and dtype == torch.float32:
         from core.kernels import choose_one_row_kernel, pack_linears
@@ -540,4 +548,5 @@ def load_pair(cfg: DictConfig, n_drafts: int | None = None) -> Pair:
         for lm in (target, *drafts):
             pack_linears(lm.module)
             kernels[lm.role] = choose_one_row_kernel(lm.module)
-    return Pair(pair_cfg.name, tokenizer, target, drafts, device, dtype, cache, pair_cfg, teacher, kernels=kernels)
+    return Pair(pair_cfg.name, tokenizer, target, drafts, device, dtype, cache, pair_cfg, teacher, kernels=kernels,
+                attention=attention)

@@ -36,6 +36,8 @@ class Pair:
     roles: dict[str, Counted] = field(default_factory=dict)
     # Per role, the one-row CPU kernel chosen when the pair loaded and its timings (core.kernels); empty: not packed.
     kernels: dict[str, dict | None] = field(default_factory=dict)
+    # Per role, the model's attention implementation (``sdpa_gqa``: core.gqa_attention's, for GQA models on the CPU).
+    attention: dict[str, str | None] = field(default_factory=dict)
 
     def __post_init__(self):
         self.roles["target"] = self.target
