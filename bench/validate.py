@@ -104,14 +104,27 @@ def checked(cfg: DictConfig) -> dict[str, Settings]:
 
 def check_synthetic(settings: RunSettings, method_cls, method, pair: PairSettings) -> None:
     """What a synthetic pair (random weights, a set acceptance) can run: greedy decoding (the coin decides the
-    target's argmax) and methods that train nothing (trained parts would learn nothing from random weights; using
-    them untrained comes with the trainer scaffold)."""
+    target's argmax), every method, its trained parts untrained (``training.kit.untrained_if_synthetic``: random
+    weights teach nothing, and the acceptance is set anyway), but not the authors' published weights, which belong
+    to a real target."""
     if settings.temperature > 0:
         raise BenchError(f"pair={pair.name} sets the target's greedy choice by its acceptance; run it with "
                          "temperature=0.")
-    if method_cls.trains(as_config(pair), method):
-        raise BenchError(f"method={method_cls.name} trains a part from the target, which pair={pair.name} (random "
-                         "weights) cannot teach; synthetic pairs run the methods that train nothing for now.")
+    if (published := published_weights(method.model_dump(mode="json"), "method")) is not None:
+        key, value = published
+        raise BenchError(f"{key}={value} reads published weights trained for a real target, which pair={pair.name} "
+                         "(random weights) is not; leave it unset there: a synthetic pair runs trained parts untrained.")
+
+
+def published_weights(settings: dict, at: str) -> tuple[str, str] | None:
+    """``(key, value)`` of the first ``weights`` (the authors' published drafter) set in a method's settings or in a
+    method's nested in them (``koala``'s base, ``samd``'s eagle); None: none is."""
+    for key, value in settings.items():
+        if key == "weights" and value:
+            return f"{at}.{key}", value
+        if isinstance(value, dict) and (found := published_weights(value, f"{at}.{key}")) is not None:
+            return found
+    return None
 
 
 def validate(cfg: DictConfig) -> DictConfig:

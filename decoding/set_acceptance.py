@@ -8,9 +8,11 @@ tree's, SpecHub's, a lossy method's) sees a target that agrees with a drafted to
 
 - at each node with children, the children are tried in the order drafted and each is the target's choice with
   probability ``rate`` (a tree of width k keeps a token with probability 1 - (1 - rate)^k, as independent drafts
-  would); the first one chosen gets the dtype's largest logit;
-- when none is chosen, the drafted tokens are taken out of the row, so the target's choice is its own best other
-  token; rows without children (the bonus position, side rows) are left as the model computed them.
+  would); the first one chosen gets a logit :data:`SPREAD` above the row's largest, so it takes all the
+  probability mass;
+- when none is chosen, the drafted tokens get logits :data:`SPREAD` below the row's smallest (no mass), so the
+  target's choice is its own best other token; rows without children (the bonus position, side rows) are left as
+  the model computed them.
 
 Greedy decoding only: the coin decides the argmax (a synthetic run with temperature > 0 is refused before it
 loads). Position by position, a chain's accepted length is then geometric, as Leviathan et al.'s formula assumes.
@@ -23,6 +25,11 @@ import random
 import torch
 
 from decoding.tree import Tree
+
+# How far above (below) every other logit of its row a chosen (refused) token's logit is set: far enough that
+# softmax gives it all the mass (none) in any dtype, yet finite, so a method that tempers the logits stays finite
+# (the dtype's largest value over NEST's temperature 0.7 is inf, and a softmax over inf is NaN).
+SPREAD = 1e4
 
 
 class SetAcceptance:
@@ -39,7 +46,6 @@ class SetAcceptance:
         decided by the coin (a copy; the input is not changed)."""
         first = len(tree) - logits.shape[0]
         out = logits.clone()
-        low, high = torch.finfo(out.dtype).min, torch.finfo(out.dtype).max  # max + 1 would round away in bf16
         for v in range(max(first, 0), len(tree)):
             kids = tree.children[v]
             if not kids:
@@ -47,7 +53,7 @@ class SetAcceptance:
             row = out[v - first]
             chosen = next((c for c in kids if self.rng.random() < self.rate), None)
             if chosen is None:
-                row[[tree.tokens[c] for c in kids]] = low
+                row[[tree.tokens[c] for c in kids]] = row.min() - SPREAD
             else:
-                row[tree.tokens[chosen]] = high
+                row[tree.tokens[chosen]] = row.max() + SPREAD
         return out

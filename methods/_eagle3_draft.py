@@ -71,6 +71,7 @@ from training.kit import (
     store_data,
     store_vocab,
     trained_part,
+    untrained_vocab,
 )
 from training.loop import TrainRecipe
 from training.store import tokenizer_key
@@ -479,6 +480,11 @@ def eagle3_artifact(target, tokenizer, recipe: Eagle3Recipe, teacher: Teacher) -
     return part_artifact("eagle3", f"eagle3-{ident['name']}", key,
                          lambda: train_eagle3(target, tokenizer, recipe, teacher), save, load, "eagle3.pt",
                          trained_by="eagle3", description="EAGLE-3 draft")
+
+
+def untrained_eagle3(target_config, recipe: Eagle3Recipe) -> Eagle3Draft:
+    """The draft :func:`train_eagle3` would train, untrained: a synthetic pair's (:func:`training.kit.untrained_if_synthetic`)."""
+    return Eagle3Draft(target_config, untrained_vocab(recipe.vocab, target_config.vocab_size)).eval()
 
 
 def load_or_train_eagle3(target, tokenizer, recipe: Eagle3Recipe, teacher: Teacher,

@@ -53,6 +53,7 @@ from training.kit import (
     store_data,
     store_vocab,
     trained_part,
+    untrained_vocab,
 )
 from training.loop import TrainRecipe
 from training.store import tokenizer_key
@@ -234,6 +235,11 @@ def eagle_artifact(target, tokenizer, recipe: EagleRecipe, teacher: Teacher, met
                           lambda vocab_map, layers: EagleDraft(target.config, vocab_map, layers),
                           trained_by=method,
                           description="EAGLE draft layer" if recipe.layers == 1 else "EAGLE draft")
+
+
+def untrained_eagle(target_config, recipe: EagleRecipe) -> EagleDraft:
+    """The draft :func:`train_eagle` would train, untrained: a synthetic pair's (:func:`training.kit.untrained_if_synthetic`)."""
+    return EagleDraft(target_config, untrained_vocab(recipe.vocab, target_config.vocab_size), recipe.layers).eval()
 
 
 def load_or_train_eagle(target, tokenizer, recipe: EagleRecipe, teacher: Teacher, train_if_missing: bool = True,

@@ -80,6 +80,7 @@ from training.kit import (
     store_vocab,
     sub_index,
     trained_part,
+    untrained_vocab,
 )
 from training.kv_store import kv_layer
 from training.loop import TrainRecipe
@@ -364,6 +365,11 @@ def glide_artifact(target, tokenizer, recipe: GlideRecipe, teacher: Teacher) -> 
                           lambda vocab_map, layers: GlideDraft(target.config, vocab_map, layers),
                           trained_by="glide",
                           description="GliDe draft")
+
+
+def untrained_glide(target_config, recipe: GlideRecipe) -> GlideDraft:
+    """The draft :func:`train_glide` would train, untrained: a synthetic pair's (:func:`training.kit.untrained_if_synthetic`)."""
+    return GlideDraft(target_config, untrained_vocab(recipe.vocab, target_config.vocab_size), recipe.layers).eval()
 
 
 def load_or_train_glide(target, tokenizer, recipe: GlideRecipe, teacher: Teacher,

@@ -262,6 +262,12 @@ def space_artifact(target, tokenizer, masks: int, recipe: SpaceRecipe, teacher: 
                          description="SPACE mask embeddings")
 
 
+def untrained_space(target_config, masks: int, recipe: SpaceRecipe) -> MaskEmbeddings:
+    """The mask embeddings :func:`train_space` would train, untrained (at zero): a synthetic pair's
+    (:func:`training.kit.untrained_if_synthetic`)."""
+    return MaskEmbeddings(masks, target_config.hidden_size, bool(recipe.shared)).eval()
+
+
 def load_or_train_space(target, tokenizer, masks: int, recipe: SpaceRecipe, teacher: Teacher,
                         train_if_missing: bool = True) -> tuple[MaskEmbeddings, dict]:
     """The cached mask embeddings, trained first when missing and ``train_if_missing``; returns them (CPU, fp32)

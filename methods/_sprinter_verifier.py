@@ -229,6 +229,12 @@ def verifier_dir(pair, recipe: VerifierRecipe) -> Path:
     return verifier_artifact(pair, recipe).folder(pair.cache)
 
 
+def untrained_verifier(pair, recipe: VerifierRecipe) -> Verifier:
+    """The verifier :func:`train_verifier` would fit, untrained (features unscaled): a synthetic pair's
+    (:func:`training.kit.untrained_if_synthetic`)."""
+    return Verifier(int(pair.draft.module.config.hidden_size) + (2 if recipe.probs else 0), recipe.width).eval()
+
+
 def load_or_train_verifier(pair, recipe: VerifierRecipe, train_if_missing: bool) -> tuple[Verifier, dict]:
     """The cached verifier of (pair, recipe) and its held-out report, trained first when missing and
     ``train_if_missing``."""

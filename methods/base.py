@@ -114,10 +114,17 @@ class Method:
 
     @classmethod
     def trains(cls, pair_spec, settings=None) -> bool:
-        """Whether the method runs anything trained under the run's recipe on a pair of ``pair_spec`` (a
-        distilled draft; subclasses with heads or a verifier say so): its records then name the recipe, and
-        its run keys (resume) include it. ``settings``: the method's checked settings, when known (a method
-        reading the authors' published weights trains nothing)."""
+        """Whether the method runs anything trained under the run's recipe on a pair of ``pair_spec``: its records
+        then name the recipe, and its run keys (resume) include it. Never on a synthetic pair (``pair.acceptance``
+        set), which runs the method's trained parts untrained (:func:`training.kit.untrained_if_synthetic`): its
+        records name no recipe. Otherwise :meth:`has_trained_parts`."""
+        return pair_spec.get("acceptance") is None and cls.has_trained_parts(pair_spec, settings)
+
+    @classmethod
+    def has_trained_parts(cls, pair_spec, settings=None) -> bool:
+        """Whether the method reads a part trained from the target on a pair of ``pair_spec`` (a distilled draft;
+        subclasses with heads or a verifier say so). ``settings``: the method's checked settings, when known (a
+        method reading the authors' published weights trains nothing)."""
         return any(spec.source == "distilled" for spec in list(pair_spec.get("drafts") or [])[: cls.drafts])
 
     @classmethod

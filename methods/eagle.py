@@ -32,11 +32,11 @@ from core.errors import BenchError
 from decoding.cache import truncate_cache
 from decoding.sampling import draft_token
 from decoding.tree import Tree, additive_mask
-from methods._eagle_draft import CountedEagle, EagleRecipe, load_or_train_eagle
+from methods._eagle_draft import CountedEagle, EagleRecipe, load_or_train_eagle, untrained_eagle
 from methods._eagle_published import load_published_eagle
 from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
-from training.kit import check_store_keeps_hidden
+from training.kit import check_store_keeps_hidden, untrained_if_synthetic
 
 # EAGLE-1's published static tree (its authors' ``choices.py``, named mc_sim_7b_63 there like Medusa's other
 # tree): 25 rank paths + the root, depth 5.
@@ -95,7 +95,7 @@ class Eagle(DraftVerify):
         self.static = Tree.from_paths(self.cfg.static_paths)  # draft: static's shape
 
     @classmethod
-    def trains(cls, pair_spec, settings=None) -> bool:
+    def has_trained_parts(cls, pair_spec, settings=None) -> bool:
         return not getattr(settings, "weights", None)  # the draft layer, unless the authors' is read
 
     @classmethod
@@ -108,8 +108,10 @@ class Eagle(DraftVerify):
         if getattr(self.cfg, "weights", None):
             draft, self.report = load_published_eagle(self.cfg.weights, target, self.pair.cache)
         else:
-            draft, self.report = load_or_train_eagle(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher,
-                                                     train_if_missing, self.name)
+            draft, self.report = untrained_if_synthetic(
+                self.pair, lambda: untrained_eagle(target.config, self.cfg.recipe),
+                lambda: load_or_train_eagle(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher,
+                                            train_if_missing, self.name))
         self.draft = self.pair.add(CountedEagle(draft.to(device=self.pair.device, dtype=self.pair.dtype)))
         # The authors' layer carries its own copy of the token embedding; the harness's reads the target's.
         own = self.draft.module.embed

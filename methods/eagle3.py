@@ -23,11 +23,19 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from methods._eagle3_draft import CountedEagle3, Eagle3Recipe, LayerTaps, feature_layers, load_or_train_eagle3
+from methods._eagle3_draft import (
+    CountedEagle3,
+    Eagle3Recipe,
+    LayerTaps,
+    feature_layers,
+    load_or_train_eagle3,
+    untrained_eagle3,
+)
 from methods._eagle3_published import load_published_eagle3
 from methods.base import Draft
 from methods.eagle import Eagle, EagleSettings
 from methods.registry import register
+from training.kit import untrained_if_synthetic
 
 
 class Eagle3Settings(EagleSettings):
@@ -59,8 +67,10 @@ class Eagle3(Eagle):
         if self.cfg.weights:
             draft, self.report = load_published_eagle3(self.cfg.weights, target, self.pair.cache)
         else:
-            draft, self.report = load_or_train_eagle3(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher,
-                                                      train_if_missing)
+            draft, self.report = untrained_if_synthetic(
+                self.pair, lambda: untrained_eagle3(target.config, self.cfg.recipe),
+                lambda: load_or_train_eagle3(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher,
+                                             train_if_missing))
         self.draft = self.pair.add(CountedEagle3(draft.to(device=self.pair.device, dtype=self.pair.dtype)))
         # A published draft narrower than its target carries its own token embedding; every other reads the target's.
         own = self.draft.module.embed_tokens

@@ -48,10 +48,12 @@ from methods._glide_draft import (
     GlideRecipe,
     decode_visible,
     load_or_train_glide,
+    untrained_glide,
 )
 from methods._glide_published import load_published_glide, read_layers
 from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
+from training.kit import untrained_if_synthetic
 from training.kv_store import kv_layer
 
 
@@ -105,7 +107,7 @@ class Glide(DraftVerify):
         self.report: dict = {}
 
     @classmethod
-    def trains(cls, pair_spec, settings=None) -> bool:
+    def has_trained_parts(cls, pair_spec, settings=None) -> bool:
         return not getattr(settings, "weights", None)  # the draft, unless the authors' is read
 
     @classmethod
@@ -137,8 +139,10 @@ class Glide(DraftVerify):
         else:
             GlideDraft(target.config, torch.arange(1))  # a target it cannot glimpse is refused before any store work
             layer = kv_layer(target.config, self.cfg.recipe.layer, "method.recipe.layer")
-            draft, self.report = load_or_train_glide(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher,
-                                                     train_if_missing)
+            draft, self.report = untrained_if_synthetic(
+                self.pair, lambda: untrained_glide(target.config, self.cfg.recipe),
+                lambda: load_or_train_glide(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher,
+                                            train_if_missing))
             self.layers = [layer] * len(draft.cross)  # every block reads layer L
         self.draft = self.pair.add(CountedGlide(draft.to(device=self.pair.device, dtype=self.pair.dtype)))
         # The authors' draft embeds tokens with its own table; the harness's reads the target's embeddings.

@@ -166,7 +166,15 @@ class Rest(DraftVerify):
         self.report: dict = {}
 
     @classmethod
-    def trains(cls, pair_spec, settings=None) -> bool:
+    def check_pair(cls, settings, pair) -> None:
+        super().check_pair(settings, pair)
+        if settings.datastore == ANSWERS and pair.synthetic:
+            raise BenchError(f"method.datastore={ANSWERS} retrieves the target's answers from its teacher store, which "
+                             f"pair={pair.name} (random weights) never labels; retrieve from a packaged corpus "
+                             f"({', '.join(CORPORA)}) or a file.")
+
+    @classmethod
+    def has_trained_parts(cls, pair_spec, settings=None) -> bool:
         return getattr(settings, "datastore", None) == ANSWERS  # read from the recipe's teacher store
 
     def setup(self, train_if_missing: bool = True) -> None:

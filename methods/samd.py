@@ -90,8 +90,8 @@ class SAMD(DraftVerify):
         self.corpus_sam: SuffixAutomaton | None = None
 
     @classmethod
-    def trains(cls, pair_spec, settings=None) -> bool:
-        return getattr(settings, "aux", None) == "eagle" and Eagle.trains(pair_spec, settings.eagle)
+    def has_trained_parts(cls, pair_spec, settings=None) -> bool:
+        return getattr(settings, "aux", None) == "eagle" and Eagle.has_trained_parts(pair_spec, settings.eagle)
 
     @classmethod
     def check_recipe(cls, settings, recipe) -> None:

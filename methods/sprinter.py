@@ -37,10 +37,12 @@ from methods._sprinter_verifier import (
     draft_forward,
     features,
     load_or_train_verifier,
+    untrained_verifier,
     verifier_dir,
 )
 from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
+from training.kit import untrained_if_synthetic
 
 
 @register("sprinter")
@@ -56,12 +58,15 @@ class Sprinter(DraftVerify):
         verifier: VerifierRecipe = Field(default_factory=VerifierRecipe, description="the verifier's training recipe")
 
     def setup(self, train_if_missing: bool = True) -> None:
-        model, self.report = load_or_train_verifier(self.pair, self.cfg.verifier, train_if_missing)
+        model, self.report = untrained_if_synthetic(self.pair, lambda: untrained_verifier(self.pair, self.cfg.verifier),
+                                                    lambda: load_or_train_verifier(self.pair, self.cfg.verifier,
+                                                                                   train_if_missing))
         expected = int(self.pair.draft.module.config.hidden_size) + (2 if self.cfg.verifier.probs else 0)
         if model.d_in != expected:
             raise BenchError(f"the cached SPRINTER verifier reads {model.d_in} features but this draft gives "
                              f"{expected}; delete {verifier_dir(self.pair, self.cfg.verifier)} to retrain it.")
-        self.verifier = self.pair.add(CountedModule(model.to(self.pair.device), "verifier"))
+        # In fp32 whatever the pair's dtype: it standardises its features in fp32 (Verifier.forward).
+        self.verifier = self.pair.add(CountedModule(model.to(self.pair.device, torch.float32), "verifier"))
 
     class State(PromptState):
         """One prompt's drafting: the draft's KV cache, the last run's checked token's q, and the run tallies."""
@@ -101,7 +106,7 @@ class Sprinter(DraftVerify):
         return tokens, q, "budget"  # limit == 0: nothing drafted
 
     @classmethod
-    def trains(cls, pair_spec, settings=None) -> bool:
+    def has_trained_parts(cls, pair_spec, settings=None) -> bool:
         return True  # the verifier
 
     def start(self, state: State) -> None:

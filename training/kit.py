@@ -6,10 +6,11 @@ A trainer is: seed, the frozen target in fp32 (:func:`fp32_eval`), its stores (:
 (:func:`store_vocab`, :func:`pick_vocab`, :func:`sub_index`), then :func:`fit_and_measure`: held-out
 :func:`agreement` before, :func:`training.loop.fit` for the part's own epochs (:func:`part_epochs`), agreement after,
 one report shape. Its result is one cached artifact (:func:`part_artifact`, keyed with :func:`part_key` and
-:func:`budget`)."""
+:func:`budget`). On a synthetic pair nothing is trained: :func:`untrained_if_synthetic` gives the part untrained."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import Counter
 from pathlib import Path
@@ -210,3 +211,35 @@ def sub_index(vocab_map: torch.Tensor, vocab_size: int) -> torch.Tensor:
     to_sub = torch.full((vocab_size,), -1, dtype=torch.long, device=vocab_map.device)
     to_sub[vocab_map] = torch.arange(vocab_map.numel(), device=vocab_map.device)
     return to_sub
+
+
+def untrained_vocab(size: int, vocab_size: int) -> torch.Tensor:
+    """An untrained part's reduced drafting vocabulary: the lowest ``min(size, vocab_size)`` ids (which ids they are
+    changes no cost, and on a synthetic pair no acceptance)."""
+    return torch.arange(min(size, vocab_size))
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def untrained_if_synthetic(pair, untrained: Callable[[], object], trained: Callable[[], tuple]) -> tuple[object, dict]:
+    """A method's trained part and its report: ``trained()`` (cached, trained when missing), or on a synthetic pair
+    (random weights of a real shape, a set acceptance: nothing to learn from, docs/synthetic.md) ``untrained()``,
+    a fresh part of the shape the trained one has, made from the target's config in the pair's dtype, seeded with
+    the target's seed: never trained, cached or keyed by the target's weights (no teacher store, no hashing of an
+    8B model), so its forwards cost what a trained part's cost and the acceptance is the pair's. Made on the host,
+    as a loaded part is: the method moves it to the device (a part is small next to the target). Its report is
+    ``{"untrained": True}``."""
+    if not pair.synthetic:
+        return trained()
+    torch.manual_seed(int(pair.spec.target.get("seed") or 0))
+    with _default_dtype(pair.dtype):
+        part = untrained()
+    return part, {"untrained": True}

@@ -26,6 +26,7 @@ from training.kit import (
     store_data,
     store_vocab,
     sub_index,
+    untrained_vocab,
 )
 from training.teacher import Teacher
 
@@ -38,6 +39,14 @@ def new_heads(kind: str, target_config, num_heads: int, vocab_map: torch.Tensor,
     if kind == "amphista":
         return AmphistaHeads(target_config, num_heads, vocab_map, layers, stages)
     return Heads(kind, target_config.hidden_size, num_heads, vocab_map, layers)
+
+
+def untrained_heads(target_config, kind: str, recipe: HeadsRecipe) -> tuple[Heads, PrefixLayer | None]:
+    """The heads (and the prefix layer) :func:`train_heads` would train, untrained: a synthetic pair's
+    (:func:`training.kit.untrained_if_synthetic`)."""
+    vocab_map = untrained_vocab(recipe.vocab, target_config.vocab_size)
+    heads = new_heads(kind, target_config, recipe.num_heads, vocab_map, recipe.layers, getattr(recipe, "stages", 0))
+    return heads.eval(), (PrefixLayer(target_config).eval() if recipe.prefix_layer else None)
 
 
 def heads_loss(heads: Heads, batch: dict, to_sub, loss: str, embed, decay: float, prefix: PrefixLayer | None = None,

@@ -32,8 +32,8 @@ from decoding.tree import Tree
 from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.heads._heads import KINDS, CountedHeads, CountedPrefix, HeadsRecipe
 from methods.heads._published import load_published_heads
-from methods.heads._train import load_or_train_heads
-from training.kit import check_store_keeps_hidden
+from methods.heads._train import load_or_train_heads, untrained_heads
+from training.kit import check_store_keeps_hidden, untrained_if_synthetic
 
 # Medusa's default sparse tree shape, as rank paths: 19 candidates + the root = 20 tokens scored per target
 # call, depth 4.
@@ -139,7 +139,7 @@ class TreeHeadsMethod(DraftVerify):
         self.prefix: CountedPrefix | None = None
 
     @classmethod
-    def trains(cls, pair_spec, settings=None) -> bool:
+    def has_trained_parts(cls, pair_spec, settings=None) -> bool:
         return not getattr(settings, "weights", None)  # the heads, unless the authors' are read
 
     @classmethod
@@ -167,13 +167,20 @@ class TreeHeadsMethod(DraftVerify):
                 raise BenchError(f"method.tree is {self.shape.max_depth} deep but {self.cfg.weights} holds "
                                  f"{heads.num_heads} heads; use a shallower tree.")
         else:
-            heads, prefix, self.report = load_or_train_heads(target, self.pair.tokenizer, self.kind, self.cfg.recipe,
-                                                             self.pair.teacher, train_if_missing, method=self.name)
+            (heads, prefix), self.report = untrained_if_synthetic(
+                self.pair, lambda: untrained_heads(target.config, self.kind, self.cfg.recipe),
+                lambda: self.trained_heads(train_if_missing))
         if heads.num_heads < self.shape.max_depth or heads.blocks[0].linear.out_features != target.config.hidden_size:
             raise BenchError(f"the cached {self.kind} heads do not fit this target and tree; delete them to retrain.")
         self.add_roles(heads.to(device=self.pair.device, dtype=self.pair.dtype),
                        prefix.to(device=self.pair.device, dtype=self.pair.dtype) if prefix is not None else None)
         self.embed = target.get_input_embeddings()
+
+    def trained_heads(self, train_if_missing: bool) -> tuple[tuple, dict]:
+        """``((heads, prefix), report)``: the cached heads, trained first when missing and ``train_if_missing``."""
+        heads, prefix, report = load_or_train_heads(self.pair.target.module, self.pair.tokenizer, self.kind,
+                                                    self.cfg.recipe, self.pair.teacher, train_if_missing, method=self.name)
+        return (heads, prefix), report
 
     def add_roles(self, heads, prefix) -> None:
         """Register the trained parts as roles, so the harness counts their calls and FLOPs like any model's."""

@@ -88,7 +88,7 @@ class Koala(Method):
         self.base.name = f"koala method.base={self.cfg.base}"
 
     @classmethod
-    def trains(cls, pair_spec, settings=None) -> bool:
+    def has_trained_parts(cls, pair_spec, settings=None) -> bool:
         return True  # the K-layer head
 
     @classmethod

@@ -89,7 +89,13 @@ def test_a_synthetic_run_accepts_everything_or_nothing(compose_cfg, tmp_path):
 
 
 @pytest.mark.parametrize("args,said", [
-    (["method=medusa"], "method=medusa trains a part from the target, which pair=synthetic-tiny-a0.7 (random weights)"),
+    (["method=medusa", "method.weights=FasterDecoding/medusa-vicuna-7b-v1.3"],
+     "method.weights=FasterDecoding/medusa-vicuna-7b-v1.3 reads published weights trained for a real target, which "
+     "pair=synthetic-tiny-a0.7 (random weights) is not;"),
+    (["method=samd", "method.aux=eagle", "method.eagle.weights=yuhuili/EAGLE-Vicuna-7B-v1.3"],
+     "method.eagle.weights=yuhuili/EAGLE-Vicuna-7B-v1.3 reads published weights"),
+    (["method=rest", "method.datastore=answers"], "method.datastore=answers retrieves the target's answers from its "
+     "teacher store, which pair=synthetic-tiny-a0.7 (random weights) never labels;"),
     (["method=sd", "temperature=0.7"], "sets the target's greedy choice by its acceptance; run it with temperature=0."),
     (["method=sd", "pair.shape=gpt-9"], "unknown shape 'gpt-9'; the shapes are smollm2-135m,"),
 ])
