@@ -219,6 +219,7 @@ def train_main(args: list[str]) -> int:
 
     picked, args = methods_arg(args) if args[0] == "all" else (None, args)
     cfg = validate(compose([*args[1:], "train_if_missing=true"]))  # train: build what is missing
+    refuse_synthetic(cfg, args[0])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # ``train draft`` and ``train all`` distil every draft of the pair; ``train method`` and ``train all
     # methods=...`` only the drafts those methods use. Both honour threads= as run does.
@@ -249,6 +250,13 @@ def train_main(args: list[str]) -> int:
     return 0
 
 
+def refuse_synthetic(cfg, what: str) -> None:
+    """``train`` on a synthetic pair: one sentence (random weights teach nothing; its runs use parts untrained)."""
+    if cfg.pair.get("acceptance") is not None:
+        raise BenchError(f"pair={cfg.pair.name} has random weights, which teach nothing: 'train {what}' trains "
+                         "nothing there (a synthetic run uses its methods' parts untrained).")
+
+
 def methods_arg(args: list[str]) -> tuple[list[str] | None, list[str]]:
     """``train all``'s own ``methods=a,b,...`` (the methods to train, default every registered one) and the
     other arguments, for Hydra."""
@@ -277,6 +285,7 @@ def train_store(args: list[str]) -> int:
     # ``tokens=N`` is short for ``recipe.tokens=N``; the target is labelled unpacked, as the trainers read it.
     args = [f"recipe.{a}" if a.partition("=")[0] in ("tokens", "eval_tokens") else a for a in args]
     cfg = validate(compose([*args, "packed_linear=false", "train_if_missing=true"]))
+    refuse_synthetic(cfg, "store")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     pair = load_pair(cfg, n_drafts=0)  # no draft is loaded: only the store is built
     reports = {split: pair.teacher.store(pair.target.module, pair.tokenizer, split).report() for split in ("train", "test")}

@@ -112,3 +112,13 @@ def test_acceptance_on_a_real_pair_is_one_sentence(capsys):
 
     assert main(["run", "pair=tiny", "pair.acceptance=0.5"]) == 2
     assert "acceptance and shape are settings of a synthetic pair" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("what", [["method", "method=medusa"], ["store"], ["draft"]])
+def test_training_on_a_synthetic_pair_is_one_sentence(what, capsys):
+    from bench.__main__ import main
+
+    assert main(["train", *what, "pair=synthetic", "pair.shape=tiny"]) == 2
+    err = capsys.readouterr().err
+    assert f"has random weights, which teach nothing: 'train {what[0]}' trains nothing there" in err, err
+    assert len(err.strip().splitlines()) == 1
