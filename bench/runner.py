@@ -2,7 +2,9 @@
 
 For each prompt the baseline (``ar``) and the method decode the same token ids back to back, in an order
 that alternates from prompt to prompt so slow drift of the machine does not favour either; speedups are
-ratios of those paired measurements, taken in the same run.
+ratios of those paired measurements, taken in the same run. Where the run times the optimised plain-decoding
+reference (``bench.reference``: on CUDA by default), it decodes each prompt in the same alternation, and every
+record also carries its speedup against it.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import resource
 import time
 from pathlib import Path
 
@@ -18,9 +19,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from bench import quality, summary
+from bench import memory, quality, reference, summary
 from bench.data import encode, load_prompts
-from bench.models import load_pair
+from bench.models import load_pair, resolve_device, resolve_dtype
 from bench.results import (
     RecordWriter,
     previous_records,
@@ -39,21 +40,14 @@ from methods.registry import get_method
 log = logging.getLogger(__name__)
 
 
-def peak_memory(device: torch.device) -> int:
-    """Peak bytes: CUDA allocator peak since the last reset; on CPU the process's peak RSS (a high-water mark)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def timed_decode(method, pair: Pair, prompt_ids: torch.Tensor, max_new: int, sampling: Sampling, seed: int) -> dict:
-    """Decode once under the clock; returns the method's output, the timings and the per-role counts (of the
-    method's own role table, :func:`build_methods`)."""
+    """Decode once under the clock; returns the method's output, the timings, the per-role counts (of the
+    method's own role table, :func:`build_methods`) and the memory figures (:mod:`bench.memory`, read outside the
+    clock)."""
     device = pair.device
     method.pair.reset_counts()
     generator = torch.Generator(device=device).manual_seed(seed)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    start_bytes = memory.decode_start(device)  # CUDA: the peak reset, what is allocated before the decode
     first: list[float] = []
 
     def on_tokens(n: int) -> None:
@@ -67,12 +61,15 @@ def timed_decode(method, pair: Pair, prompt_ids: torch.Tensor, max_new: int, sam
         decoded = method.decode(prompt_ids, max_new, sampling, generator, on_tokens)
     sync(device)
     end = time.perf_counter()
+    above = memory.decode_peak(device, start_bytes)
     return {
         "decoded": decoded,
         "wall_s": end - start,
         "ttft_s": (first[0] if first else end) - start,
         "counts": method.pair.counts(),
-        "peak_mem_bytes": peak_memory(device),
+        "peak_mem_bytes": memory.peak_memory(device),
+        # The decode's own peak; a cache the decoder keeps between prompts (the reference's static one) is its too.
+        "peak_decode_bytes": None if above is None else above + getattr(method, "kept_cache_bytes", 0),
     }
 
 
@@ -129,13 +126,17 @@ def build_methods(cfg: DictConfig, mcfgs: dict[str, DictConfig], pair: Pair) -> 
     return built
 
 
-def resume_plan(cfg: DictConfig, mcfgs: dict[str, DictConfig], run_dir: Path, prompts: list) -> tuple[dict, dict]:
+def resume_plan(cfg: DictConfig, mcfgs: dict[str, DictConfig], run_dir: Path, prompts: list,
+                others: dict[str, dict] | None = None) -> tuple[dict, dict]:
     """``keys[prompt_id][method]``: the run key of every decode this run makes; ``done[prompt_id]``: with
     ``resume`` set, the records of prompts whose every method already has a complete record in ``run_dir``
-    (a prompt missing any of them is decoded again by all, so speedups stay paired within one process)."""
+    (a prompt missing any of them is decoded again by all, so speedups stay paired within one process).
+    ``others``: decoders the registry does not know, by name, with their settings (the reference), trained by none."""
     settings = {name: OmegaConf.to_container(m, resolve=True) for name, m in mcfgs.items()}
     # Only the methods that run something trained under the recipe depend on it (published weights: none).
     trains = {name: get_method(name).trains(cfg.pair, get_method(name).check_settings(m)) for name, m in mcfgs.items()}
+    settings.update(others or {})
+    trains.update(dict.fromkeys(others or {}, False))
     keys = {p.prompt_id: {name: run_key(mc, cfg, p.prompt_id, trains[name]) for name, mc in settings.items()}
             for p in prompts}
     done = {}
@@ -192,7 +193,9 @@ def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float, samp
         "accept_by_position": (metrics.acceptance_by_position(decoded.accept_lengths, decoded.drafted)
                                if any(decoded.drafted) else []),
         "cost_ratio_c": c,  # the run's measured c, so a table reads it from the records (the analytic speedup)
-        "peak_mem_bytes": run["peak_mem_bytes"],
+        "peak_mem_bytes": run["peak_mem_bytes"],  # everything resident, the other method's parts too (bench/memory.py)
+        "method_param_bytes": run.get("method_param_bytes"),  # the method's own parts and tensors beyond the target
+        "peak_decode_bytes": run.get("peak_decode_bytes"),  # CUDA: the decode's own peak above what was resident
         "extra": decoded.extra,
     }
     rec.update(metrics.record_metrics(new, run["wall_s"], run["ttft_s"], decoded.accept_lengths, run["counts"]))
@@ -208,18 +211,23 @@ def paired_speedup(base: dict, rec: dict) -> float:
 def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
     """Decode every prompt of ``cfg.dataset`` with the baseline and ``cfg.method``; write the results."""
     cfg = validate(cfg)  # checked, defaults filled in: before any model loads or any file is written
+    device = resolve_device(cfg.device)  # the optimised plain-decoding reference, or None; refused here if it cannot run
+    ref_mode = reference.mode_for(cfg, device, packed=bool(cfg.packed_linear) and device.type == "cpu"
+                                  and resolve_dtype(cfg.dtype, device) == torch.float32)
+    ref_cfg = reference.ReferenceConfig.of(ref_mode) if ref_mode else None
     torch.manual_seed(cfg.seed)
     prompts = load_prompts(cfg.dataset, cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     mcfgs = method_cfgs(cfg)
-    keys, done = resume_plan(cfg, mcfgs, run_dir, prompts)
+    keys, done = resume_plan(cfg, mcfgs, run_dir, prompts,
+                             {ref_cfg.name: ref_cfg.model_dump(mode="json")} if ref_cfg else None)
     # Prompt i keeps its index (its seed and its order of methods) whether or not earlier ones were kept.
     todo = [(i, p) for i, p in enumerate(prompts) if p.prompt_id not in done]
     carried = [r for p in prompts for r in done.get(p.prompt_id, [])]
     if cfg.get("resume"):
         log.info("resume: %d prompts complete in %s, %d to decode", len(done), run_dir, len(todo))
 
-    methods_, encoded, tensors = {}, [], []
+    methods_, encoded, tensors, ref, own = {}, [], [], None, {}
     if todo:
         pair = load_pair(cfg, n_drafts=drafts_needed(mcfgs))  # a missing distilled draft is distilled first
         methods_ = build_methods(cfg, mcfgs, pair)
@@ -229,38 +237,58 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
         prov = provenance(cfg, pair.device)
         prov["cost_ratio_c"] = cost_ratio(pair, tensors[0])
         prov["one_row_kernels"] = pair.kernels  # which CPU kernel one-token forwards took, and why (timings)
+        # The optimised plain-decoding reference, with ar's stop tokens; its cache sized for these prompts.
+        ref = reference.build(ref_mode, pair, get_method("ar")({}, pair).eos_ids, encoded, cfg.max_new_tokens)
+        # What each method holds beyond the target (its parts, its tensors), measured once, outside any clock.
+        own = {m.name: memory.method_param_bytes(m) for m in [*methods_.values(), *([ref] if ref else [])]}
     else:  # everything is already measured: no model needs loading
         prov = previous_provenance(run_dir) or {**provenance(cfg, torch.device("cpu")), "cost_ratio_c": float("nan")}
     if cfg.get("resume"):
         prov["resumed"] = {"kept_prompts": len(done), "decoded_prompts": len(todo)}
+    prov["reference"] = ref_cfg.model_dump(mode="json") if ref_cfg else None
     prov["status"] = "running"
     write_json_atomic(run_dir / "run.json", prov)
 
     for _ in range(int(cfg.warmup) if tensors else 0):  # untimed: first-call allocations, lazy inits, caches
         for m in methods_.values():
             timed_decode(m, pair, tensors[0], min(16, cfg.max_new_tokens), sampling, cfg.seed)
+    # The reference is warmed up whatever `warmup` says: compiling its step and recording its CUDA graph are never
+    # timed.
+    for _ in range(max(int(cfg.warmup), 1) if ref is not None else 0):
+        timed_decode(ref, pair, tensors[0], reference.WARMUP_TOKENS, sampling, cfg.seed)
 
     writer = RecordWriter(run_dir, carried)
     records: list[dict] = list(carried)
     ok = False
     try:
-        order = list(methods_.values())
+        order = [*methods_.values(), *([ref] if ref is not None else [])]
         for (i, prompt), ids, x in tqdm(list(zip(todo, encoded, tensors)), desc=f"{cfg.method.name} on {cfg.dataset.name}", unit="prompt"):
             per_prompt = {}
             for m in order if i % 2 == 0 else order[::-1]:
                 res = timed_decode(m, pair, x, cfg.max_new_tokens, sampling, cfg.seed + i)
+                res["method_param_bytes"] = own[m.name]
                 per_prompt[m.name] = make_record(cfg, pair, m, prompt, ids, res, prov["cost_ratio_c"], sampling)
                 per_prompt[m.name]["run_key"] = keys[prompt.prompt_id][m.name]
             base = per_prompt.get(cfg.get("baseline"))
+            ref_rec = per_prompt.get(ref.name) if ref is not None else None
             for name, rec in per_prompt.items():
                 if base is not None:
                     rec["speedup"] = 1.0 if rec is base else paired_speedup(base, rec)
-                    # Token-for-token equality with the baseline: greedy runs only (sampled outputs match by chance).
-                    rec["matches_baseline"] = (rec["output_ids"] == base["output_ids"]
-                                               if sampling.greedy and not pair.synthetic else None)
+                    # Token-for-token equality with the baseline: greedy runs only (sampled outputs match by chance);
+                    # on a synthetic pair only the reference against ar (the coin decides no plain step's token).
+                    compared = sampling.greedy and (not pair.synthetic or (rec is ref_rec and base["method"] == "ar"))
+                    rec["matches_baseline"] = rec["output_ids"] == base["output_ids"] if compared else None
+                if ref_rec is not None:  # against the optimised plain decoding, beside the speedup against the baseline
+                    rec["speedup_vs_ref"] = 1.0 if rec is ref_rec else paired_speedup(ref_rec, rec)
                 # A greedy output that leaves the baseline's: where, and whether the target's choice there was a
                 # near-tie (a kernel rounding flip) or a real mismatch. Untimed, and its forward is not counted.
                 rec["divergence"] = quality.divergence(pair, rec, base) if rec.get("matches_baseline") is False else None
+                if rec is ref_rec and rec["divergence"] is not None:
+                    d = rec["divergence"]
+                    log.warning("%s's tokens leave %s's on prompt %s at position %d (the target's top-1 - top-2 logit "
+                                "there: %.3g, %s); its record says so (matches_baseline: false)", ref.name,
+                                base["method"], prompt.prompt_id, d["position"], d["margin"],
+                                "a near-tie" if d["tie"] else "not a near-tie")
                 if not rec["lossless"] and not pair.synthetic:
                     # Lossy output is scored against AR and the reference; untimed, and its one target
                     # forward is not counted (the counters are reset before the next timed decode).

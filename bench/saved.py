@@ -2,7 +2,8 @@
 
 Speedups are re-paired here rather than trusted from the files: a method's record is divided against the
 baseline's record for the same prompt and settings *in the same run directory* (both decoded back to back
-by one process), never against a baseline measured elsewhere.
+by one process), never against a baseline measured elsewhere; and, where the run timed the optimised plain-decoding
+reference (``bench.reference``), against the reference's record of that prompt the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from core.errors import BenchError
 SAMPLING_KEYS = ("temperature", "top_p", "max_new_tokens")
 # What makes two records of one run directory a pair: the same prompt decoded under the same settings.
 PAIR_KEYS = ["run_dir", "pair", "dataset", "prompt_id", "temperature", "top_p", "max_new_tokens", "seed"]
+# The optimised plain-decoding reference's names in records (bench.reference.NAMES, without importing transformers).
+REFERENCES = ("ar_compiled", "ar_static")
 
 
 def find_record_files(paths: list[str]) -> list[Path]:
@@ -32,7 +35,8 @@ def find_record_files(paths: list[str]) -> list[Path]:
 
 def load(paths: list[str], baseline: str | None = None) -> tuple[pd.DataFrame, list[dict]]:
     """One row per record (with ``run_dir``, ``baseline``, flattened ``flops_total``, ``q_<metric>`` quality
-    columns and the paired ``speedup``, ``base_wall_s``, ``base_new_tokens``, ``base_specbench_tokens``), and the provenance
+    columns, the paired ``speedup``, ``base_wall_s``, ``base_new_tokens``, ``base_specbench_tokens``, and
+    ``speedup_vs_ref`` against the run's reference where it has one), and the provenance
     (``run.json``) of every run directory that has one. Files are checked as they are read
     (:mod:`core.files`): an empty, foreign or damaged records file, or a run.json that is not JSON, is an error.
 
@@ -58,9 +62,13 @@ def load(paths: list[str], baseline: str | None = None) -> tuple[pd.DataFrame, l
     df = pd.DataFrame(rows)
     df["label"] = labels(df)
     df["is_baseline"] = df["method"] == df["baseline"]
+    df["is_reference"] = df["method"].isin(REFERENCES)
     df = df.join(baseline_measurements(df))
+    df = df.join(paired_measurements(df, df["is_reference"], "ref", ["wall_s", "new_tokens"]))
     spt = df["wall_s"] / df["new_tokens"].where(df["new_tokens"] > 0)
     df["speedup"] = df["base_wall_s"] / df["base_new_tokens"].where(df["base_new_tokens"] > 0) / spt
+    # against the optimised plain decoding of the same prompt, same run (NaN where the run did not time it)
+    df["speedup_vs_ref"] = df["ref_wall_s"] / df["ref_new_tokens"].where(df["ref_new_tokens"] > 0) / spt
     df["ms_per_token"] = 1e3 * spt
     return df, runs
 
@@ -105,8 +113,14 @@ def baseline_measurements(df: pd.DataFrame) -> pd.DataFrame:
     """Per record: ``base_wall_s``, ``base_new_tokens`` and ``base_specbench_tokens`` of its run's baseline record
     for the same prompt, pair, dataset, sampling settings, budget and seed in the same run directory (NaN when
     there is none, or when the baseline's records predate the field)."""
+    return paired_measurements(df, df["is_baseline"], "base", ["wall_s", "new_tokens", "specbench_tokens"])
+
+
+def paired_measurements(df: pd.DataFrame, mask: pd.Series, prefix: str, measured: list[str]) -> pd.DataFrame:
+    """Per record: ``<prefix>_<m>`` for each of ``measured``, read from the record ``mask`` selects for the same
+    prompt, pair, dataset, sampling settings, budget and seed in the same run directory (NaN when there is none, or
+    when those records predate the field)."""
     keys = [k for k in PAIR_KEYS if k in df]
-    measured = ["wall_s", "new_tokens", "specbench_tokens"]
-    base = df[df["is_baseline"]].drop_duplicates(keys).reindex(columns=keys + measured)
-    merged = df[keys].astype(str).merge(base.astype({k: str for k in keys}), on=keys, how="left")
-    return pd.DataFrame({f"base_{m}": merged[m].to_numpy(dtype=float) for m in measured}, index=df.index)
+    chosen = df[mask].drop_duplicates(keys).reindex(columns=keys + measured)
+    merged = df[keys].astype(str).merge(chosen.astype({k: str for k in keys}), on=keys, how="left")
+    return pd.DataFrame({f"{prefix}_{m}": merged[m].to_numpy(dtype=float) for m in measured}, index=df.index)

@@ -24,13 +24,16 @@ from core.files import RECORDS
 # Columns of the summary table, in order (quality columns q_<name> follow; csv files hold them all).
 COLUMNS = ["label", "method", "pair", "dataset", "category", "prompts", "new_tokens", "wall_s", "ttft_s",
            "tokens_per_s", "ms_per_token", "speedup_median", "speedup_lo", "speedup_hi", "speedup_q25",
-           "speedup_q75", "speedup_pooled", "speedup_specbench", "mean_accepted", "alpha", "accept_by_position", "mean_drafted",
-           "cost_ratio_c", "analytic_speedup", "target_calls_per_token", "gflops_per_token", "matches_baseline",
+           "speedup_q75", "speedup_pooled", "speedup_specbench", "speedup_vs_ref", "mean_accepted", "alpha",
+           "accept_by_position", "mean_drafted", "cost_ratio_c", "analytic_speedup", "target_calls_per_token",
+           "gflops_per_token", "peak_mem_bytes", "method_param_bytes", "peak_decode_bytes", "matches_baseline",
            "tie_flips", "mismatches"]
-# What people read (printed, md, tex, HTML): speedup_median carries its interval, speedup_iqr the spread.
+# What people read (printed, md, tex, HTML): speedup_median carries its interval, speedup_iqr the spread; memory in MiB.
 DISPLAY = ["label", "pair", "dataset", "category", "prompts", "new_tokens", "tokens_per_s", "speedup_median",
-           "speedup_iqr", "speedup_pooled", "speedup_specbench", "mean_accepted", "alpha", "accept_by_position", "analytic_speedup",
-           "target_calls_per_token", "gflops_per_token", "ttft_s", "matches_baseline", "tie_flips", "mismatches"]
+           "speedup_iqr", "speedup_pooled", "speedup_specbench", "speedup_vs_ref", "mean_accepted", "alpha",
+           "accept_by_position", "analytic_speedup", "target_calls_per_token", "gflops_per_token", "ttft_s",
+           "peak_mem_mib", "method_param_mib", "peak_decode_mib", "matches_baseline", "tie_flips", "mismatches"]
+MEMORY = ["peak_mem_bytes", "method_param_bytes", "peak_decode_bytes"]  # shown as <name>_mib
 DISPLAY_QUALITY = ["token_agreement", "rougeL_vs_baseline", "exact_match", "rougeL_vs_reference", "perplexity",
                    "perplexity_baseline", "attribution"]
 SHOWN_POSITIONS = 5  # acceptance by position: the first few in the display form, all of them in csv
@@ -65,6 +68,12 @@ def steps(g: pd.DataFrame) -> tuple[list[int], list[int]]:
 def near_tie(divergence) -> bool:
     """Whether a record's ``divergence`` (bench.quality.divergence) says its first difference was a near-tie."""
     return isinstance(divergence, dict) and bool(divergence.get("tie"))
+
+
+def largest(g: pd.DataFrame, column: str) -> float:
+    """The largest value of ``column`` over the records of ``g`` that have it (NaN: none has)."""
+    vals = metrics.present(g[column]) if column in g else []
+    return float(max(vals)) if vals else math.nan
 
 
 def analytic_speedup(method: str, alpha: float, gamma: float, c: float) -> float:
@@ -120,6 +129,8 @@ def summary_row(g: pd.DataFrame, level: float) -> dict:
         "speedup_pooled": metrics.ratio(metrics.ratio(paired["new_tokens"].sum(), paired["wall_s"].sum()),
                                         metrics.ratio(paired["base_new_tokens"].sum(), paired["base_wall_s"].sum())),
         "speedup_specbench": specbench_speedup(paired),  # Spec-Bench's speed.py: a ratio of mean tokens per second
+        # median over prompts of the paired speedup against the run's optimised plain decoding (bench/reference.py)
+        "speedup_vs_ref": metrics.median(g["speedup_vs_ref"]) if "speedup_vs_ref" in g else math.nan,
         # tokens committed per target call after prefill (every record's, imported ones without `drafted` too)
         "mean_accepted": metrics.ratio(sum(all_acc), len(all_acc)),
         "alpha": alpha,  # per-token acceptance, MLE under Leviathan et al.'s i.i.d. model
@@ -129,6 +140,9 @@ def summary_row(g: pd.DataFrame, level: float) -> dict:
         "analytic_speedup": analytic_speedup(g["method"].iloc[0], alpha, gamma, c),
         "target_calls_per_token": metrics.ratio(g["target_calls"].sum(), tokens),  # target forwards, prefill included
         "gflops_per_token": metrics.ratio(g["flops_total"].sum(), tokens) / 1e9,  # analytic forward FLOPs, all models
+        "peak_mem_bytes": largest(g, "peak_mem_bytes"),  # largest over prompts: all resident (bench/memory.py)
+        "method_param_bytes": largest(g, "method_param_bytes"),  # the method's own parts and tensors beyond the target
+        "peak_decode_bytes": largest(g, "peak_decode_bytes"),  # largest over prompts: CUDA, the decode's own peak
         "matches_baseline": compared.mean() if len(compared) else math.nan,  # share of greedy prompts token-identical
         "tie_flips": ties if len(compared) else math.nan,  # greedy prompts that part from the baseline at a near-tie
         # greedy prompts that part from it where the target's margin was >= ε (or, in older records, not measured)
@@ -146,12 +160,14 @@ def summary_table(df: pd.DataFrame, by_category: bool = False, level: float = 0.
     groups = list(df.groupby(keys, sort=False, dropna=False))
     rows = [{**dict(zip(keys, k)), **summary_row(g, level)} for k, g in groups]
     is_base = [bool(g["is_baseline"].all()) for _, g in groups]
+    is_ref = [bool(g["is_reference"].all()) if "is_reference" in g else False for _, g in groups]
     out = pd.DataFrame(rows)
     out.loc[is_base, [c for c in ("matches_baseline", "tie_flips", "mismatches") if c in out]] = math.nan
     qcols = sorted(c for c in out.columns if c.startswith("q_"))
     out = out[[c for c in COLUMNS if c in out.columns] + qcols]
-    # The baseline first, then methods in name order; rows of one method keep their settings' order.
-    order = sorted(range(len(out)), key=lambda i: (not is_base[i], out["method"].iloc[i], str(out["label"].iloc[i])))
+    # The baseline first, then the reference, then methods in name order; rows of one method keep their settings' order.
+    order = sorted(range(len(out)), key=lambda i: (not is_base[i], not is_ref[i], out["method"].iloc[i],
+                                                   str(out["label"].iloc[i])))
     return out.iloc[order].reset_index(drop=True)
 
 
@@ -177,6 +193,14 @@ def _fmt(x: float, spec: str = ".2f") -> str:
     return "–" if x is None or math.isnan(x) else format(x, spec)
 
 
+def mib(n) -> str | None:
+    """Bytes as MiB for people: ``0.25``, ``512``, ``15,317`` (None: not measured)."""
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return None
+    x = n / 2**20
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def short_positions(values) -> str | None:
     """``[0.41, 0.22, 0.10, 0.05, 0.02, 0.01]`` → ``"0.41 0.22 0.10 0.05 0.02 …"``; None when nothing was drafted."""
     values = _list(values)
@@ -193,6 +217,9 @@ def display_table(table: pd.DataFrame) -> pd.DataFrame:
                            for s, lo, hi in zip(t["speedup_median"], t["speedup_lo"], t["speedup_hi"])]
     t["speedup_iqr"] = [None if math.isnan(a) else f"{a:.2f}–{b:.2f}" for a, b in zip(t["speedup_q25"], t["speedup_q75"])]
     t["accept_by_position"] = t["accept_by_position"].map(short_positions)
+    for c in MEMORY:
+        if c in t:
+            t[c.replace("_bytes", "_mib")] = t[c].map(mib)
     t = t.rename(columns={c: c[2:] for c in t.columns if c.startswith("q_")})
     t = t[[c for c in DISPLAY + DISPLAY_QUALITY if c in t.columns]].dropna(axis=1, how="all")
     return t.astype(object).where(t.notna(), None)  # None: an empty cell (or "–"), not "nan", in every format
@@ -204,7 +231,11 @@ def legend(level: float = 0.95) -> str:
     return (f"speedup_median: median over prompts of the per-prompt paired speedup [{level:.0%} bootstrap interval]; "
             "speedup_iqr: its 25th-75th percentiles across prompts; speedup_pooled: total tokens / total seconds "
             "over the same prompts, over the baseline's; speedup_specbench: Spec-Bench's speed.py, mean tokens/s over "
-            "mean baseline tokens/s (its answers re-tokenized); tie_flips: greedy prompts that part from the baseline where "
+            "mean baseline tokens/s (its answers re-tokenized); speedup_vs_ref: the median paired speedup against the "
+            "optimised plain decoding (ar_compiled: static cache + torch.compile), where the run timed it; "
+            "peak_mem_mib: all resident at the peak (the other method's parts too), method_param_mib: the method's own "
+            "parts beyond the target, peak_decode_mib: CUDA, the decode's own peak above what was resident (largest "
+            "over prompts); tie_flips: greedy prompts that part from the baseline where "
             f"the target's top-1 - top-2 logit < ε ({eps}), mismatches: the other greedy prompts that part from it")
 
 

@@ -45,6 +45,9 @@ class RunSettings(Settings):
     baseline: str | None = Field("ar", description="method run on the same prompts in the same run, for "
                                  "paired speedups (null: none)")
     warmup: int = Field(1, ge=0, description="untimed warm-up decodes (per method) before the timed prompts")
+    reference: Literal["auto", "compiled", "static", "none"] = Field(
+        "auto", description="also time plain decoding on a static cache (compiled: + torch.compile); auto = compiled "
+        "on CUDA when greedy")
     train_if_missing: bool = Field(True, description="train a missing draft / heads / verifier before decoding")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (null: torch's default)")
     packed_linear: bool = Field(True, description="CPU fp32: forwards of >= 2 rows use oneDNN-packed weights "

@@ -80,6 +80,17 @@ class CountedLM(Counted):
         self._count(batch, new_tokens, past + new_tokens, head_rows=rows)
         return lm_forward(self.module, input_ids, cache, **kwargs)
 
+    def count_plain_loop(self, prompt_len: int, new_tokens: int) -> None:
+        """Count the forwards of plain greedy decoding run by a loop that calls the module itself, not this wrapper
+        (transformers' ``generate``, the harness's compiled reference): what ``ar`` runs for the same tokens, a prefill
+        of ``prompt_len`` positions with the output head on the last one, then one one-token forward per new token
+        after the first."""
+        if new_tokens <= 0:
+            return
+        self._count(1, prompt_len, prompt_len, head_rows=1)
+        for i in range(1, new_tokens):
+            self._count(1, 1, prompt_len + i)
+
 
 class CountedModule(Counted):
     """A small module (draft heads, a verifier) applied to hidden states of shape ``(..., hidden)``."""

@@ -6,9 +6,13 @@ of what matters most, each skipped with a note once the time budget is spent:
 
 1. the machine: versions, the GPU, the keyword the cache goes under (core.kv_cache);
 2. the cache guard and ``ar`` against cache-free greedy decoding, on the tiny pair in fp32, bf16 and fp16;
-3. every method that trains nothing on a synthetic pair of ``--shape`` (default Llama-3.1-8B with Llama-3.2-1B as
-   draft) in bf16, at two acceptance rates, each against ``ar`` on the same prompts;
-4. the GPU test walk (tests/test_gpu.py: every method on the tiny pairs in fp32 and bf16, parts trained on the
+3. eager ``ar`` against the optimised plain-decoding reference (bench/reference.py: transformers' ``generate`` on a
+   static cache with ``torch.compile``, ``ar_compiled``; ``ar_static``, uncompiled, in the CPU dry run) on the
+   synthetic pair of ``--shape`` in ``--dtype``, same prompts: its speedup over ``ar`` and whether its tokens are ar's;
+4. every method that trains nothing on a synthetic pair of ``--shape`` (default Llama-3.1-8B with Llama-3.2-1B as
+   draft) in bf16, at two acceptance rates, each against ``ar`` on the same prompts (``reference=none``: compiling
+   the reference in each of these runs would spend the budget);
+5. the GPU test walk (tests/test_gpu.py: every method on the tiny pairs in fp32 and bf16, parts trained on the
    device, the published layouts), for what time is left.
 
 ``--device cpu --shape tiny`` is the dry run CI takes (tests/test_gpu_check.py). Writes ``OUT/summary.md``,
@@ -100,7 +104,7 @@ def synthetic_rows(out: Path, device: str, shape: str, dtype: str, rates: list[f
             run_dir = out / "synthetic" / f"{name}-a{rate}"
             cfg = compose([f"method={name}", "pair=synthetic", f"pair.shape={shape}", f"pair.acceptance={rate}",
                            f"device={device}", f"dtype={dtype}", f"max_new_tokens={tokens}",
-                           f"dataset.n_prompts={prompts}", "warmup=1", f"cache_dir={cache}"])
+                           f"dataset.n_prompts={prompts}", "warmup=1", "reference=none", f"cache_dir={cache}"])
             try:
                 summary = run(cfg, run_dir)
                 rows += [{**r, "acceptance_set": rate} for r in summary if r.get("label") == name or r["method"] == name]
@@ -108,6 +112,26 @@ def synthetic_rows(out: Path, device: str, shape: str, dtype: str, rates: list[f
                 rows.append({"method": name, "acceptance_set": rate,
                              "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"})
     return rows, skipped
+
+
+def reference_rows(out: Path, device: str, shape: str, dtype: str, prompts: int, tokens: int, cache: str,
+                   budget: Budget, mode: str) -> list[dict]:
+    """Eager ``ar`` and the optimised plain-decoding reference (``mode``: compiled, or static for a CPU dry run) on the
+    synthetic pair of ``shape``: the summary rows of both (the reference's: its speedup over ``ar``, its tokens against
+    ``ar``'s). The reference's warm-up, which compiles it, is untimed; its time counts against the budget."""
+    from bench.runner import run
+
+    if budget.left() < 60:
+        return [{"label": f"ar_{mode}", "skipped": "no time left"}]
+    cfg = compose(["method=ar", "pair=synthetic", f"pair.shape={shape}", f"device={device}", f"dtype={dtype}",
+                   f"max_new_tokens={tokens}", f"dataset.n_prompts={prompts}", "warmup=1", f"reference={mode}",
+                   f"cache_dir={cache}"])
+    start = time.monotonic()
+    try:
+        rows = run(cfg, out / "reference")
+    except Exception as err:  # noqa: BLE001 - the check reports every failure and goes on
+        return [{"label": f"ar_{mode}", "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}]
+    return [{**r, "seconds": round(time.monotonic() - start, 1)} for r in rows]
 
 
 def leviathan(alpha: float, gamma: int, c: float) -> float:
@@ -166,6 +190,14 @@ def markdown(check: dict) -> str:
     lines = [f"# Device check, {check['date']}", "", "```", json.dumps(check["machine"], indent=1), "```", "",
              "## Cache guard and `ar` against cache-free greedy (tiny pair)", "",
              tabulate(check["guard"], headers="keys", tablefmt="github"), ""]
+    from bench.summary import mib
+
+    ref_cols = ["label", "tokens_per_s", "speedup_median", "speedup_vs_ref", "matches_baseline", "tie_flips",
+                "mismatches", "peak_mem_bytes", "peak_decode_bytes", "seconds", "skipped", "error"]
+    ref_rows = [{c.replace("_bytes", "_mib"): mib(r[c]) if c.endswith("_bytes") else r[c] for c in ref_cols if c in r}
+                for r in check["reference"]]
+    lines += [f"## Eager `ar` against the optimised plain decoding (`reference`): {check['synthetic_pair']}", "",
+              tabulate(ref_rows, headers="keys", tablefmt="github", floatfmt=".4g"), ""]
     cols = ["method", "acceptance_set", "speedup_median", "speedup_pooled", "mean_accepted", "alpha",
             "tokens_per_s", "target_calls_per_token", "error"]
     rows = [{c: r.get(c) for c in cols if c in r or c != "error"} for r in check["synthetic"]]
@@ -187,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--methods", default=",".join(SYNTHETIC_METHODS))
+    p.add_argument("--reference", choices=["auto", "compiled", "static", "none"], default="auto",
+                   help="step 3's reference; auto: compiled on CUDA, static (uncompiled) elsewhere")
     p.add_argument("--walk", choices=["full", "quick", "none"], default="full")
     p.add_argument("--budget", type=float, default=420.0, help="seconds for the whole check")
     args = p.parse_args(argv)
@@ -198,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     check["guard"] = guard_rows(args.device, cache)
     rates = [float(r) for r in args.rates.split(",")]
     check["synthetic_pair"] = f"{args.shape} in {args.dtype}, {args.prompts} prompts x {args.tokens} tokens"
+    mode = args.reference if args.reference != "auto" else ("compiled" if args.device.startswith("cuda") else "static")
+    check["reference"] = (reference_rows(out, args.device, args.shape, args.dtype, args.prompts, args.tokens, cache,
+                                         budget, mode) if mode != "none" else [])
     check["synthetic"], check["skipped"] = synthetic_rows(out, args.device, args.shape, args.dtype, rates, args.prompts,
                                                           args.tokens, cache, budget, args.methods.split(","))
     check["walk"] = walk(out, args.device, args.walk == "quick", budget) if args.walk != "none" else {"skipped": "--walk none"}
@@ -210,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "summary.md").write_text(markdown(check))
     print(markdown(check))
     failed = any("error" in r or r.get("ar_equals_cache_free") is False for r in check["guard"])
+    # The reference must run, and its tokens may leave ar's only at near-ties (a rounding flip of the argmax).
+    failed |= any("error" in r or (r.get("mismatches") or 0) > 0 for r in check["reference"])
     return 1 if failed or any("error" in r for r in check["synthetic"]) else 0
 
 

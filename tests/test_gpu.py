@@ -10,7 +10,8 @@ on the GPU under ``recipe=smoke``). What it checks:
 - bf16 (the harness's CUDA default): every method decodes; greedy outputs are not asserted equal, since a
   multi-token forward may round differently from one-token steps, which the harness's ``divergence`` column
   names per record (near-tie or not);
-- the harness end to end: the clock, the CUDA peak memory (``torch.cuda.max_memory_allocated``), the GPU's name.
+- the harness end to end: the clock, the CUDA peak memory (``torch.cuda.max_memory_allocated``) and the decode's own
+  peak within it, each method's own bytes, the GPU's name, and the compiled reference ``reference=auto`` times there.
 
 ``BENCH_GPU_TEST_DEVICE=cpu`` runs the same tests on the CPU (a dry run of this file where no GPU is lent).
 Tensors created on an implicit device are caught without a GPU by ``tests/test_device.py``.
@@ -87,21 +88,46 @@ def test_every_method_decodes_in_bf16(name, on_device):
 
 
 def test_the_harness_on_the_device(compose_cfg, on_device, tmp_path):
+    """The clock, the memory figures and, on CUDA, the optimised reference the default ``reference=auto`` times there
+    (``ar_compiled``: static cache, torch.compile; its warm-up compiles it): ar's tokens, and a speedup against it in
+    every record."""
     from bench.runner import run as harness_run
 
     harness_run(compose_cfg("pair=tiny", "method=sd", f"device={DEVICE}", "dtype=float32", "max_new_tokens=8",
                             "dataset.n_prompts=2", "warmup=1"), tmp_path)
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     prov = json.loads((tmp_path / "run.json").read_text())
-    assert prov["device"].startswith(DEVICE) and (prov["gpu"] is not None) == DEVICE.startswith("cuda")
-    assert (prov["cuda"] is not None) == DEVICE.startswith("cuda")
-    assert {r["method"] for r in records} == {"sd", "ar"}
+    cuda = DEVICE.startswith("cuda")
+    assert prov["device"].startswith(DEVICE) and (prov["gpu"] is not None) == cuda
+    assert (prov["cuda"] is not None) == cuda
+    assert {r["method"] for r in records} == {"sd", "ar"} | ({"ar_compiled"} if cuda else set())
     assert all(r["wall_s"] > 0 and r["peak_mem_bytes"] > 0 and r["new_tokens"] > 0 for r in records)
     assert all(r["matches_baseline"] for r in records if r["method"] == "sd")
-    if DEVICE.startswith("cuda"):  # the allocator's peak since its reset holds at least the pair's weights
-        pair, _ = on_device("tiny")
+    pair, _ = on_device("tiny")
+    draft = pair.drafts[0].module
+    draft_bytes = sum(t.numel() * t.element_size() for t in [*draft.parameters(), *draft.buffers()])
+    own = {r["method"]: r["method_param_bytes"] for r in records}
+    assert own == {"ar": 0, "sd": draft_bytes, **({"ar_compiled": 0} if cuda else {})}
+    if cuda:  # the allocator's peak since its reset holds at least the pair's weights; the decode's own peak is in it
         weights = sum(p.numel() * p.element_size() for lm in (pair.target, *pair.drafts) for p in lm.module.parameters())
         assert all(r["peak_mem_bytes"] >= weights for r in records)
+        assert all(0 < r["peak_decode_bytes"] <= r["peak_mem_bytes"] - weights for r in records)
+        assert prov["reference"]["compiled"] and all(r["speedup_vs_ref"] > 0 for r in records)
+        # fp32: the compiled step's argmax is eager ar's, but for a rounding flip at a near-tie, which the record names
+        assert all(r["matches_baseline"] or r["divergence"]["tie"] for r in records if r["method"] == "ar_compiled")
+    else:  # no per-decode peak on the CPU, and no reference unless asked for
+        assert all(r["peak_decode_bytes"] is None and "speedup_vs_ref" not in r for r in records)
+
+
+def test_the_static_reference_on_the_device(compose_cfg, tmp_path):
+    """``reference=static`` (not compiled) on the device: ar's tokens exactly (the same eager kernels), counted as ar."""
+    from bench.runner import run as harness_run
+
+    harness_run(compose_cfg("pair=tiny", "method=ar", f"device={DEVICE}", "dtype=float32", "max_new_tokens=8",
+                            "dataset.n_prompts=2", "warmup=0", "reference=static"), tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    ref = [r for r in records if r["method"] == "ar_static"]
+    assert len(ref) == 2 and all(r["matches_baseline"] and r["speedup_vs_ref"] == 1.0 for r in ref)
 
 
 def test_a_distilled_draft_trains_on_the_device(compose_cfg, tmp_path, monkeypatch):

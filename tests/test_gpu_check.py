@@ -14,6 +14,10 @@ def test_the_device_check_dry_runs_on_the_cpu(tmp_path):
     assert status == 0, check
     assert [r["dtype"] for r in check["guard"]] == ["float32", "bfloat16", "float16"]
     assert all(r["guard"] == "passed" and r["ar_equals_cache_free"] for r in check["guard"])
+    # The reference (uncompiled on the CPU) against eager ar on the synthetic pair: ar's tokens, its speedup over ar.
+    ref = {r["label"]: r for r in check["reference"]}
+    assert set(ref) == {"ar", "ar_static"} and ref["ar_static"]["matches_baseline"] == 1.0
+    assert ref["ar_static"]["speedup_median"] > 0 and ref["ar"]["speedup_vs_ref"] > 0
     rows = {(r["method"], r["acceptance_set"]) for r in check["synthetic"]}
     assert rows == {(m, a) for m in ("sd", "pld", "recycling") for a in (0.6, 0.9)}
     assert check["walk"]["status"] == "passed", (tmp_path / "walk.log").read_text()[-2000:]

@@ -163,3 +163,20 @@ def test_results_page_refuses_to_resume_jobs_from_another_commit(tmp_path, monke
     err = capsys.readouterr().err
     assert "holds jobs measured at another commit (pld_smollm2_default at 0123456)" in err
     assert err.count("\n") == 1
+
+
+def test_gqa_cost_times_every_variant_and_writes_its_rows(tmp_path, cache_dir):
+    """scripts/gqa_cost.py on the tiny shape (4 query heads on 2 key/value heads), one round each: every column
+    filled, the copy-free attention equal to transformers' sdpa."""
+    import csv
+
+    out = tmp_path / "gqa.csv"
+    script("gqa_cost.py", "--shape", "tiny", "--contexts", "16", "--rows", "1,3", "--dtypes", "float32",
+           "--repeats", "1", "--forward-repeats", "1", "--csv", str(out), cache_dir=cache_dir)
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["context"], r["rows"]) for r in rows] == [("16", "1"), ("16", "3")]
+    for row in rows:
+        assert float(row["max_diff"]) < 1e-6
+        for col in ("attn_repeat_kv_ms", "attn_sdpa_ms", "attn_grouped_ms", "attn_enable_gqa_ms", "attn_ar_row_ms",
+                    "fwd_sdpa_ms", "fwd_sdpa_gqa_ms", "fwd_ar_ms"):
+            assert float(row[col]) > 0, col

@@ -162,3 +162,47 @@ def test_tie_flips_and_mismatches_are_counted_apart(tmp_path):
     t = _rows(tmp_path / "sampled")
     assert math.isnan(t.loc["sd", "tie_flips"]) and math.isnan(t.loc["sd", "matches_baseline"])
     assert "tie_flips" not in display_table(t.reset_index()).columns  # all-empty columns are dropped
+
+
+def test_speedup_against_the_reference_is_paired_per_prompt_from_the_files(tmp_path):
+    """A run with the optimised reference (ar_compiled): each record's speedup_vs_ref is the reference's seconds per
+    token on the same prompt over its own, re-paired from the files (not read from them), its median in the table
+    beside the speedup against ar; the reference's row follows the baseline's; a run without one has none."""
+    recs = []
+    for i, (ar, ref, sd) in enumerate([(2.0, 1.0, 0.5), (2.0, 1.0, 2.0), (3.0, 1.5, 1.0)]):
+        recs += [_record("ar", f"p{i}", "qa", ar), _record("ar_compiled", f"p{i}", "qa", ref),
+                 {**_record("sd", f"p{i}", "qa", sd), "speedup_vs_ref": 99.0}]  # a stale figure in the file: ignored
+    _write_run(tmp_path / "run", recs)
+    t = _rows(tmp_path / "run")
+    assert list(t.index) == ["ar", "ar_compiled", "sd"]
+    assert t.loc["sd", "speedup_vs_ref"] == pytest.approx(1.5)  # per prompt: 2, 0.5, 1.5
+    assert t.loc["sd", "speedup_median"] == pytest.approx(3.0)  # against ar: 4, 1, 3
+    assert t.loc["ar", "speedup_vs_ref"] == pytest.approx(0.5) and t.loc["ar_compiled", "speedup_median"] == 2.0
+    _write_run(tmp_path / "plain", [_record("ar", "p0", "qa", 1.0), _record("sd", "p0", "qa", 0.5)])
+    assert math.isnan(_rows(tmp_path / "plain").loc["sd", "speedup_vs_ref"])
+    assert "speedup_vs_ref" not in display_table(_rows(tmp_path / "plain").reset_index())
+
+
+def test_memory_columns_take_the_largest_prompt_and_show_mib(tmp_path):
+    """peak_mem_bytes and peak_decode_bytes: the largest over prompts; method_param_bytes: the method's parts; shown
+    in MiB; a column no record measured (peak_decode_bytes on the CPU) is left out of the display."""
+    mib = 2**20
+    recs = [{**_record("ar", "p0", "qa", 1.0), "peak_mem_bytes": 500 * mib, "method_param_bytes": 0,
+             "peak_decode_bytes": None},
+            {**_record("sd", "p0", "qa", 0.5), "peak_mem_bytes": 520 * mib, "method_param_bytes": mib // 4,
+             "peak_decode_bytes": None},
+            {**_record("ar", "p1", "qa", 1.0), "peak_mem_bytes": 510 * mib, "method_param_bytes": 0,
+             "peak_decode_bytes": None},
+            {**_record("sd", "p1", "qa", 0.5), "peak_mem_bytes": 530 * mib, "method_param_bytes": mib // 4,
+             "peak_decode_bytes": None}]
+    _write_run(tmp_path / "cpu", recs)
+    t = _rows(tmp_path / "cpu")
+    assert t.loc["sd", "peak_mem_bytes"] == 530 * mib and t.loc["sd", "method_param_bytes"] == mib // 4
+    assert math.isnan(t.loc["sd", "peak_decode_bytes"])
+    shown = display_table(t.reset_index()).set_index("label")
+    assert shown.loc["sd", "peak_mem_mib"] == "530" and shown.loc["sd", "method_param_mib"] == "0.25"
+    assert shown.loc["ar", "method_param_mib"] == "0" and "peak_decode_mib" not in shown
+    gpu = [{**r, "peak_decode_bytes": (3 + i) * mib} for i, r in enumerate(recs)]
+    _write_run(tmp_path / "gpu", gpu)
+    assert _rows(tmp_path / "gpu").loc["sd", "peak_decode_bytes"] == 6 * mib  # prompt p1's
+    assert display_table(_rows(tmp_path / "gpu").reset_index()).set_index("label").loc["sd", "peak_decode_mib"] == "6"
