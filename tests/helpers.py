@@ -230,3 +230,15 @@ def local_folder(path, family, **config):
     AutoModelForCausalLM.from_config(AutoConfig.for_model(family, vocab_size=len(tok), **config)).save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
+
+
+def longest_earlier(text, context):
+    """Brute force: ``(length, first end)`` of the longest suffix of ``context`` occurring in ``text`` (``(0, -1)``:
+    none), what SAM-Decoding's suffix automaton finds (tests/decoding/test_suffix_automaton.py, tests/methods/
+    test_samd.py)."""
+    for n in range(len(context), 0, -1):
+        suffix = context[len(context) - n:]
+        for end in range(n - 1, len(text)):
+            if text[end - n + 1:end + 1] == suffix:
+                return n, end
+    return 0, -1

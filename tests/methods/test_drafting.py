@@ -9,7 +9,6 @@ import torch
 
 from bench.validate import validate
 from core.errors import BenchError
-from decoding.ngram import BigramTable, CorpusNGrams, NGramIndex, load_corpus_ngrams
 from methods.registry import get_method
 from tests.helpers import (
     ROOT,
@@ -39,46 +38,6 @@ def assert_equal_to_ar(method, ar_outputs):
         assert sum(out.accept_lengths) + 1 == len(out.output_ids)  # the prefill gives the first token
         assert len(out.drafted) == len(out.accept_lengths)
         assert all(0 < a <= d + 1 for a, d in zip(out.accept_lengths, out.drafted))
-
-
-# ------------------------------------------------------------------------------------------ shared n-grams
-
-
-def test_ngram_index_longest_match_most_recent_first_within_documents():
-    index = NGramIndex(1, 3)
-    index.add_document([1, 2, 3, 4, 9, 2, 3, 5, 6])
-    assert index.continuations([7, 2, 3], 2) == [[5, 6]]  # the 2-gram (2, 3): its most recent occurrence
-    assert index.continuations([7, 2, 3], 2, limit=3) == [[5, 6], [4, 9]]  # then the older one
-    assert index.continuations([1, 2, 3], 3, limit=1) == [[4, 9, 2]]  # the 3-gram wins over the 2-gram
-    assert index.continuations([8], 2) == []
-    index.add_document([6, 1])
-    assert index.continuations([5, 6], 4, limit=2) == [[1]]  # the (5, 6) match stops at the document end
-    index.extend([8, 8])
-    assert index.continuations([6, 1], 4) == [[8, 8]]  # the last document keeps growing
-    with pytest.raises(BenchError, match="1 <= min <= max"):
-        NGramIndex(3, 2)
-
-
-def test_corpus_tables_count_and_round_trip():
-    docs = [[1, 2, 3, 1, 2, 4, 1, 2, 3], [5, 1, 2, 3]]
-    table = CorpusNGrams.build(docs, 1, 2, length=2, top=2)
-    assert table.continuations([9, 1, 2], 2, limit=2) == [[3, 1], [4, 1]]  # (3, 1) follows (1, 2) most often
-    again = CorpusNGrams.from_tensors(table.to_tensors())
-    assert again.table == table.table
-    bigram = BigramTable.build(docs, vocab_size=10)
-    assert bigram.chain(1, 3) == [2, 3, 1]
-    assert bigram.next[7] == 1  # never seen: the most frequent token
-
-
-def test_corpus_table_is_cached_and_a_corrupt_cache_is_rebuilt(tiny_pair, tmp_path):
-    load = lambda: load_corpus_ngrams(tiny_pair.tokenizer, "lee", 1, 1, 2, 1, tmp_path)  # noqa: E731
-    first = load()
-    [path] = list(tmp_path.glob("ngram/ngrams-*/table.pt"))
-    stamp = path.stat().st_mtime_ns
-    assert load().table == first.table and path.stat().st_mtime_ns == stamp  # from the cache
-    path.write_bytes(path.read_bytes()[:100])
-    assert load().table == first.table  # tables are always built when missing: a truncated one is rebuilt
-    assert path.stat().st_mtime_ns != stamp
 
 
 # ------------------------------------------------------------------------------------------ pld
