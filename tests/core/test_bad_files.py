@@ -182,7 +182,7 @@ def test_good_model_folder_loads(tmp_path):
     folder = tmp_path / "model"
     _save_tiny_llama(folder)
     files.check_model_folder(folder)
-    assert hub_model(str(folder), torch.float32).config.model_type == "llama"
+    assert hub_model(str(folder), torch.float32, torch.device("cpu")).config.model_type == "llama"
 
 
 def test_model_folder_without_tokenizer_cli(tmp_path, cache_dir, capsys):
