@@ -7,6 +7,7 @@ Every model is returned inside a :class:`core.counting.CountedLM` tagged with it
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import logging
@@ -259,9 +260,11 @@ def packaged_gguf_folder(spec: DictConfig, cache: Path) -> Path:
     return load_or_build(art, cache)
 
 
+@functools.cache
 def gguf_specials(path: Path) -> dict[str, str]:
     """The special tokens a GGUF file declares in its own metadata (``tokenizer.ggml.<name>_token_id``), as the
-    tokenizer attributes that hold them: ``{"bos_token": "<|im_start|>", ...}``."""
+    tokenizer attributes that hold them: ``{"bos_token": "<|im_start|>", ...}``. Read once per process (parsing
+    the file's metadata takes ~2 s; a packaged file does not change under a running process)."""
     import gguf
 
     fields = gguf.GGUFReader(path).fields
