@@ -249,59 +249,63 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
     prov["status"] = "running"
     write_json_atomic(run_dir / "run.json", prov)
 
-    for _ in range(int(cfg.warmup) if tensors else 0):  # untimed: first-call allocations, lazy inits, caches
-        for m in methods_.values():
-            timed_decode(m, pair, tensors[0], min(16, cfg.max_new_tokens), sampling, cfg.seed)
-    # The reference is warmed up whatever `warmup` says: compiling its step and recording its CUDA graph are never
-    # timed.
-    for _ in range(max(int(cfg.warmup), 1) if ref is not None else 0):
-        timed_decode(ref, pair, tensors[0], reference.WARMUP_TOKENS, sampling, cfg.seed)
-
-    writer = RecordWriter(run_dir, carried)
-    records: list[dict] = list(carried)
-    ok = False
     try:
-        order = [*methods_.values(), *([ref] if ref is not None else [])]
-        for (i, prompt), ids, x in tqdm(list(zip(todo, encoded, tensors)), desc=f"{cfg.method.name} on {cfg.dataset.name}", unit="prompt"):
-            per_prompt = {}
-            for m in order if i % 2 == 0 else order[::-1]:
-                res = timed_decode(m, pair, x, cfg.max_new_tokens, sampling, cfg.seed + i)
-                res["method_param_bytes"] = own[m.name]
-                per_prompt[m.name] = make_record(cfg, pair, m, prompt, ids, res, prov["cost_ratio_c"], sampling)
-                per_prompt[m.name]["run_key"] = keys[prompt.prompt_id][m.name]
-            base = per_prompt.get(cfg.get("baseline"))
-            ref_rec = per_prompt.get(ref.name) if ref is not None else None
-            for name, rec in per_prompt.items():
-                if base is not None:
-                    rec["speedup"] = 1.0 if rec is base else paired_speedup(base, rec)
-                    # Token-for-token equality with the baseline: greedy runs only (sampled outputs match by chance);
-                    # on a synthetic pair only the reference against ar (the coin decides no plain step's token).
-                    compared = sampling.greedy and (not pair.synthetic or (rec is ref_rec and base["method"] == "ar"))
-                    rec["matches_baseline"] = rec["output_ids"] == base["output_ids"] if compared else None
-                if ref_rec is not None:  # against the optimised plain decoding, beside the speedup against the baseline
-                    rec["speedup_vs_ref"] = 1.0 if rec is ref_rec else paired_speedup(ref_rec, rec)
-                # A greedy output that leaves the baseline's: where, and whether the target's choice there was a
-                # near-tie (a kernel rounding flip) or a real mismatch. Untimed, and its forward is not counted.
-                rec["divergence"] = quality.divergence(pair, rec, base) if rec.get("matches_baseline") is False else None
-                if rec is ref_rec and rec["divergence"] is not None:
-                    d = rec["divergence"]
-                    log.warning("%s's tokens leave %s's on prompt %s at position %d (the target's top-1 - top-2 logit "
-                                "there: %.3g, %s); its record says so (matches_baseline: false)", ref.name,
-                                base["method"], prompt.prompt_id, d["position"], d["margin"],
-                                "a near-tie" if d["tie"] else "not a near-tie")
-                if not rec["lossless"] and not pair.synthetic:
-                    # Lossy output is scored against AR and the reference; untimed, and its one target
-                    # forward is not counted (the counters are reset before the next timed decode).
-                    rec["quality"] = quality.record_quality(pair, rec, base)
-                writer.write(rec)
-                records.append(rec)
-        ok = True
+        for _ in range(int(cfg.warmup) if tensors else 0):  # untimed: first-call allocations, lazy inits, caches
+            for m in methods_.values():
+                timed_decode(m, pair, tensors[0], min(16, cfg.max_new_tokens), sampling, cfg.seed)
+        # The reference is warmed up whatever `warmup` says: compiling its step and recording its CUDA graph are never
+        # timed.
+        for _ in range(max(int(cfg.warmup), 1) if ref is not None else 0):
+            timed_decode(ref, pair, tensors[0], reference.WARMUP_TOKENS, sampling, cfg.seed)
+
+        writer = RecordWriter(run_dir, carried)
+        records: list[dict] = list(carried)
+        ok = False
+        try:
+            order = [*methods_.values(), *([ref] if ref is not None else [])]
+            for (i, prompt), ids, x in tqdm(list(zip(todo, encoded, tensors)), desc=f"{cfg.method.name} on {cfg.dataset.name}", unit="prompt"):
+                per_prompt = {}
+                for m in order if i % 2 == 0 else order[::-1]:
+                    res = timed_decode(m, pair, x, cfg.max_new_tokens, sampling, cfg.seed + i)
+                    res["method_param_bytes"] = own[m.name]
+                    per_prompt[m.name] = make_record(cfg, pair, m, prompt, ids, res, prov["cost_ratio_c"], sampling)
+                    per_prompt[m.name]["run_key"] = keys[prompt.prompt_id][m.name]
+                base = per_prompt.get(cfg.get("baseline"))
+                ref_rec = per_prompt.get(ref.name) if ref is not None else None
+                for name, rec in per_prompt.items():
+                    if base is not None:
+                        rec["speedup"] = 1.0 if rec is base else paired_speedup(base, rec)
+                        # Token-for-token equality with the baseline: greedy runs only (sampled outputs match by chance);
+                        # on a synthetic pair only the reference against ar (the coin decides no plain step's token).
+                        compared = sampling.greedy and (not pair.synthetic or (rec is ref_rec and base["method"] == "ar"))
+                        rec["matches_baseline"] = rec["output_ids"] == base["output_ids"] if compared else None
+                    if ref_rec is not None:  # against the optimised plain decoding, beside the speedup against the baseline
+                        rec["speedup_vs_ref"] = 1.0 if rec is ref_rec else paired_speedup(ref_rec, rec)
+                    # A greedy output that leaves the baseline's: where, and whether the target's choice there was a
+                    # near-tie (a kernel rounding flip) or a real mismatch. Untimed, and its forward is not counted.
+                    rec["divergence"] = quality.divergence(pair, rec, base) if rec.get("matches_baseline") is False else None
+                    if rec is ref_rec and rec["divergence"] is not None:
+                        d = rec["divergence"]
+                        log.warning("%s's tokens leave %s's on prompt %s at position %d (the target's top-1 - top-2 logit "
+                                    "there: %.3g, %s); its record says so (matches_baseline: false)", ref.name,
+                                    base["method"], prompt.prompt_id, d["position"], d["margin"],
+                                    "a near-tie" if d["tie"] else "not a near-tie")
+                    if not rec["lossless"] and not pair.synthetic:
+                        # Lossy output is scored against AR and the reference; untimed, and its one target
+                        # forward is not counted (the counters are reset before the next timed decode).
+                        rec["quality"] = quality.record_quality(pair, rec, base)
+                    writer.write(rec)
+                    records.append(rec)
+            ok = True
+        finally:
+            writer.close(publish=ok)
+            prov["status"] = "complete" if ok else "failed"
+            prov["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            if ok:
+                # From the records just published, read back as `python -m bench table` reads them: one summary.
+                prov["summary"] = summary.as_rows(summary.run_summary(run_dir, cfg.get("baseline")))
+            write_json_atomic(run_dir / "run.json", prov)
     finally:
-        writer.close(publish=ok)
-        prov["status"] = "complete" if ok else "failed"
-        prov["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        if ok:
-            # From the records just published, read back as `python -m bench table` reads them: one summary.
-            prov["summary"] = summary.as_rows(summary.run_summary(run_dir, cfg.get("baseline")))
-        write_json_atomic(run_dir / "run.json", prov)
+        if ref is not None:  # its compiled step's caches and CUDA graphs would keep the target alive
+            ref.close()
     return prov["summary"]

@@ -73,7 +73,9 @@ def machine(device: str) -> dict:
 
 def guard_rows(device: str, cache: str, tokens: int = 16) -> list[dict]:
     """Per dtype: the tiny pair loads (the cache guard runs in load_pair) and ``ar``'s greedy tokens equal the argmax
-    of cache-free forwards of the whole sequence."""
+    of cache-free forwards of the whole sequence; where they part, the target's top-1 - top-2 logit there and whether
+    that is a near-tie (bf16 and fp16 round a one-token step and a whole-sequence forward differently)."""
+    from bench import quality
     from bench.models import load_pair
     from tests.helpers import cache_free_greedy, decode, prompts_for
 
@@ -85,7 +87,11 @@ def guard_rows(device: str, cache: str, tokens: int = 16) -> list[dict]:
             row["guard"] = "passed"
             prompt = prompts_for(pair, 1)[0]
             out = decode(pair, "ar", prompt, max_new=tokens).output_ids
-            row["ar_equals_cache_free"] = out == cache_free_greedy(pair, prompt, tokens)
+            free = cache_free_greedy(pair, prompt, tokens)
+            row["ar_equals_cache_free"] = out == free
+            if out != free:  # where they part, and whether rounding alone can explain it (a near-tie)
+                d = quality.divergence(pair, {"prompt_ids": prompt, "output_ids": out}, {"output_ids": free})
+                row.update(first_difference=d["position"], margin=round(d["margin"], 4), near_tie=d["tie"])
         except Exception as err:  # noqa: BLE001 - the check reports every failure and goes on
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         rows.append(row)
@@ -99,8 +105,10 @@ def synthetic_rows(out: Path, device: str, shape: str, dtype: str, rates: list[f
     from bench.runner import run
 
     rows, skipped = [], []
-    for rate in rates:
-        for name in methods:
+    # Method by method, each at every rate in turn: a transient (the machine's, or one the previous run left) then
+    # shows as one method's outlier rather than one rate's column.
+    for name in methods:
+        for rate in rates:
             if budget.left() < 30:
                 skipped.append(f"{name} at {rate}")
                 continue
@@ -249,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(check["synthetic"], out / "synthetic.png", f"synthetic {check['synthetic_pair']}, {check['machine'].get('gpu', args.device)}")
     (out / "summary.md").write_text(markdown(check))
     print(markdown(check))
-    failed = any("error" in r or r.get("ar_equals_cache_free") is False for r in check["guard"])
+    failed = any("error" in r or (r.get("ar_equals_cache_free") is False and not r.get("near_tie")) for r in check["guard"])
     # The reference must run, and its tokens may leave ar's only at near-ties (a rounding flip of the argmax).
     failed |= any("error" in r or (r.get("mismatches") or 0) > 0 for r in check["reference"])
     return 1 if failed or any("error" in r for r in check["synthetic"]) else 0

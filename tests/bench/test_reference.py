@@ -140,3 +140,28 @@ def test_a_reference_that_cannot_run_is_one_sentence(setting, temperature, packe
 
 def test_saved_results_know_the_references_names():
     assert set(reference.NAMES.values()) == set(saved.REFERENCES)
+
+
+def test_the_reference_lets_go_of_its_compiled_step_when_the_run_ends(compose_cfg, tmp_path, monkeypatch):
+    """A compiled reference's step (kept on the model by transformers) and torch's compile caches (which hold the
+    model's weights and, on CUDA, the CUDA graphs' pool) are released when the run ends, failed or not: a sweep's
+    next run must not decode beside the last one's target."""
+    from bench import runner
+
+    resets, closed = [], []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    pair = runner.load_pair(compose_cfg("pair=tiny"))
+    ref = reference.Reference("compiled", pair, [], 32)
+    pair.target.module._compiled_call = object()  # what transformers' get_compiled_call leaves on the model
+    ref.close()
+    assert not hasattr(pair.target.module, "_compiled_call") and resets == [1] and ref.cache is None
+    reference.Reference("static", pair, [], 32).close()
+    assert resets == [1]  # nothing compiled, nothing to reset
+
+    real = reference.Reference.close
+    monkeypatch.setattr(reference.Reference, "close", lambda self: closed.append(self.name) or real(self))
+    monkeypatch.setattr(reference.Reference, "decode", lambda self, *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        runner.run(compose_cfg("pair=tiny", "method=ar", "reference=static", "max_new_tokens=4",
+                               "dataset.n_prompts=1", "warmup=0"), tmp_path)
+    assert closed == ["ar_static"]
