@@ -16,14 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from bench import saved, summary
-from core.errors import BenchError
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse for the results commands: a bad argument is one sentence (BenchError) and exit status 2."""
-
-    def error(self, message):  # one sentence and exit code 2, like every other bad input
-        raise BenchError(f"{self.prog}: {message}.")
+from core.errors import BenchError, Parser
 
 
 def _args(cmd: str, argv: list[str], extra=()) -> argparse.Namespace:

@@ -30,10 +30,9 @@ import math
 import re
 from pathlib import Path
 
-from bench.report_cli import Parser
 from bench.results import RecordWriter, write_json_atomic, write_text_atomic
 from core import files
-from core.errors import BenchError
+from core.errors import BenchError, Parser
 
 PROMPT_PREFIX = "sb-"  # this harness's prompt ids of Spec-Bench questions (bench.data's spec_bench source)
 

@@ -13,7 +13,7 @@ suffix in the text; ``corpus match``: in the optional corpus automaton, the auth
   corpus match - len_bias) >= len_threshold`` the longer drafts a chain of ``n_predicts - 1`` tokens (the text's
   from the earliest occurrence of a suffix with that many tokens after it: the authors' ``to_anc``); otherwise
   the auxiliary drafter drafts: prompt lookup (``methods/pld.py``) or EAGLE-2's dynamic tree
-  (``methods/eagle.py``, its trained draft layer).
+  (``methods/eagle/eagle.py``, its trained draft layer).
 
 Each prompt has its own automaton and cursors (on the state), so a prompt's result does not depend on the
 prompts before it. Every draft is deterministic (one-hot q, or EAGLE's top-k tree) and verified by the shared
@@ -35,7 +35,7 @@ from decoding.ngram import corpus_token_docs
 from decoding.suffix_automaton import SuffixAutomaton
 from decoding.tree import Tree
 from methods.base import Draft, DraftVerify, MethodSettings
-from methods.eagle import Eagle, EagleSettings
+from methods.eagle.eagle import Eagle, EagleSettings
 from methods.pld import PLD
 from methods.registry import register
 

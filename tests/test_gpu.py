@@ -156,9 +156,9 @@ def test_published_drafters_load_on_the_device_and_equal_ar(name, on_device, tmp
     """The authors' published layouts (tiny checkpoints written as the CPU tests write them) converted, moved to the
     device and decoding greedy-equal to ``ar`` in fp32."""
     from tests.methods.heads.test_published import hydra_file, medusa_file
-    from tests.methods.test_eagle3_published import eagle3_file
-    from tests.methods.test_eagle_published import eagle_file
-    from tests.methods.test_glide_published import glide_file
+    from tests.methods.eagle.test_published3 import eagle3_file
+    from tests.methods.eagle.test_published import eagle_file
+    from tests.methods.glide.test_published import glide_file
 
     pair, prompts = on_device("tiny")
     target = pair.target.module

@@ -20,8 +20,8 @@ PINNED_RUN_KEYS = {"ar": "20ead56bd42ab299e178", "sd": "830a802079998231b33a", "
 def _folders(pair):
     """Folder names of every trained part a method of the tiny pair reads under the quick recipe (nothing is
     trained: only keys are computed)."""
-    from methods._eagle_draft import eagle_artifact
-    from methods._glide_draft import glide_artifact
+    from methods.eagle._draft import eagle_artifact
+    from methods.glide._draft import glide_artifact
     from methods._space import space_artifact
     from methods.heads._train import heads_artifact
     from training.distill import DistillRecipe, draft_artifact

@@ -37,7 +37,7 @@ from torch import nn
 from core.counting import Counted, CountedModule
 from core.kv_cache import lm_forward
 from core.model_parts import body_config, copy_last_layers
-from methods._adversarial import AdversaryRecipe
+from training.adversarial import AdversaryRecipe
 from training.kit import trained_part
 from training.loop import TrainRecipe
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from core.artifacts import Artifact, jsonable, load_or_build, model_fingerprint, report_of
 from core.errors import BenchError
-from methods._adversarial import Adversary, AdversaryRecipe
+from training.adversarial import Adversary, AdversaryRecipe
 from methods.heads._amphista import AmphistaHeads
 from methods.heads._heads import Heads, HeadsRecipe, PrefixLayer
 from training.kit import (

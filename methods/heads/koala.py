@@ -4,12 +4,12 @@ supervised loss, over a base head method that decodes exactly as before.
 
 - ``method.base=medusa``: each Medusa head is ``K x ResBlock -> Linear`` (:class:`methods.heads._heads.Heads` with
   ``recipe.layers = K``), decoded through Medusa's candidate tree (``method.medusa.*``).
-- ``method.base=eagle``: EAGLE's draft has K decoder layers instead of one (:class:`methods._eagle_draft.
+- ``method.base=eagle``: EAGLE's draft has K decoder layers instead of one (:class:`methods.eagle._draft.
   EagleDraft`), decoded by EAGLE-2's dynamic tree or a chain (``method.eagle.*``).
 
 Both are trained from the teacher store with their base's supervised loss, for their base's epochs (so the
 gain over the base is measured at the same training budget), plus ``recipe.adversarial`` (KOALA's
-discriminator, :mod:`methods._adversarial`); ``recipe.adversarial=null`` keeps the K layers and drops it. The
+discriminator, :mod:`training.adversarial`); ``recipe.adversarial=null`` keeps the K layers and drops it. The
 trained parts are cached beside the base's (their recipe differs), and verification is the base's: lossless.
 
 ``python -m bench run method=koala method.base=medusa baseline=medusa`` times KOALA against its base head,
@@ -23,10 +23,10 @@ from typing import Literal
 from omegaconf import OmegaConf
 from pydantic import Field, model_validator
 
-from methods._adversarial import AdversaryRecipe
-from methods._eagle_draft import EagleRecipe
+from training.adversarial import AdversaryRecipe
+from methods.eagle._draft import EagleRecipe
 from methods.base import Method, MethodSettings
-from methods.eagle import Eagle, EagleSettings
+from methods.eagle.eagle import Eagle, EagleSettings
 from methods.heads._heads import HeadsRecipe
 from methods.heads._tree_heads import TreeHeadsSettings
 from methods.heads.medusa import Medusa

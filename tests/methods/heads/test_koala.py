@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from core.artifacts import recipe_key
-from methods._adversarial import Adversary, AdversaryRecipe
-from methods._eagle_draft import eagle_artifact
+from training.adversarial import Adversary, AdversaryRecipe
+from methods.eagle._draft import eagle_artifact
 from tests.helpers import (
     assert_greedy_equal_to_ar,
     assert_sampling_is_the_targets,

@@ -12,8 +12,8 @@ from transformers import DynamicCache
 
 from core.errors import BenchError
 from core.kv_cache import cache_of
-from methods._glide_draft import GlideDraft, decode_visible, visible_keys
-from methods.glide import Glide
+from methods.glide._draft import GlideDraft, decode_visible, visible_keys
+from methods.glide.glide import Glide
 from tests.helpers import (
     assert_greedy_equal_to_ar,
     assert_sampling_is_the_targets,

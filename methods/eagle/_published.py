@@ -1,5 +1,5 @@
 """The authors' published EAGLE draft layer (EAGLE-1 and EAGLE-2 share it; ``method.weights``), mapped onto
-:class:`methods._eagle_draft.EagleDraft`.
+:class:`methods.eagle._draft.EagleDraft`.
 
 Layout, as the authors' ``ea_model.py`` / ``cnets.py`` build and read it (``load_state_dict(strict=True)``;
 Spec-Bench's ``model/eagle``, ``model/eagle2``), e.g. ``yuhuili/EAGLE-Vicuna-7B-v1.3``:
@@ -22,7 +22,7 @@ import torch
 
 from core.checkpoints import Checkpoint, load_converted, locate
 from core.errors import BenchError
-from methods._eagle_draft import EagleDraft
+from methods.eagle._draft import EagleDraft
 
 FILES = ("pytorch_model.bin", "model.safetensors")
 WHAT = "EAGLE draft layer"

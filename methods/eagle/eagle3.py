@@ -1,7 +1,7 @@
 """EAGLE-3 (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via Training-Time
-Test") over EAGLE-2's dynamic draft tree (:mod:`methods.eagle`).
+Test") over EAGLE-2's dynamic draft tree (:mod:`methods.eagle.eagle`).
 
-What differs from ``eagle`` is the draft (:mod:`methods._eagle3_draft`): it reads a fusion of the target's low,
+What differs from ``eagle`` is the draft (:mod:`methods.eagle._draft3`): it reads a fusion of the target's low,
 middle and high features instead of its last hidden state, predicts tokens with a head of its own (no feature
 regression), and is trained by unrolling its own drafting (training-time test). The decoding loop is EAGLE-2's,
 inherited: each step the draft first reads the fused features of the positions committed since the last step
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from methods._eagle3_draft import (
+from methods.eagle._draft3 import (
     CountedEagle3,
     Eagle3Recipe,
     LayerTaps,
@@ -31,9 +31,9 @@ from methods._eagle3_draft import (
     load_or_train_eagle3,
     untrained_eagle3,
 )
-from methods._eagle3_published import load_published_eagle3
+from methods.eagle._published3 import load_published_eagle3
 from methods.base import Draft
-from methods.eagle import Eagle, EagleSettings
+from methods.eagle.eagle import Eagle, EagleSettings
 from methods.registry import register
 from training.kit import untrained_if_synthetic
 

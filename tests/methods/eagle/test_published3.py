@@ -13,10 +13,10 @@ import torch
 from torch.nn import functional as F
 from transformers import DynamicCache
 
-import methods._eagle3_published as published
+import methods.eagle._published3 as published
 from core.checkpoints import Checkpoint
-from methods._eagle3_draft import Eagle3Draft
-from methods._eagle3_published import FILES, WHAT, eagle3_draft, load_published_eagle3
+from methods.eagle._draft3 import Eagle3Draft
+from methods.eagle._published3 import FILES, WHAT, eagle3_draft, load_published_eagle3
 from tests.helpers import assert_greedy_equal_to_ar, build, prompts_for, refusal_of
 
 

@@ -233,7 +233,7 @@ class GlideDraft(nn.Module):
 class CountedGlide(Counted):
     """The ``glide`` role: ``draft(emb, positions, kvs, visible, cache, rows)`` returns the head's logits
     ``(B, rows, V')`` of the last ``rows`` positions (a :class:`GlideDraft` or the authors' published draft,
-    :class:`methods._glide_published.PublishedGlide`). Counted as :mod:`core.flops` counts a model (the blocks'
+    :class:`methods.glide._published.PublishedGlide`). Counted as :mod:`core.flops` counts a model (the blocks'
     and the cross-attention's weights, self-attention over the draft's cache), plus the cross-attention's
     scores and weighted sum over the target's m keys (4 FLOPs per query, key and the target's attention width,
     per block), the head on ``rows`` positions only."""

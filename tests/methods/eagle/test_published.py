@@ -16,7 +16,7 @@ from torch import nn
 
 from core.checkpoints import Checkpoint
 from core.errors import BenchError
-from methods._eagle_published import FILES, WHAT, eagle_layer
+from methods.eagle._published import FILES, WHAT, eagle_layer
 from tests.helpers import (
     assert_greedy_equal_to_ar,
     assert_published_follows_the_target,

@@ -163,7 +163,7 @@ def draft_config(target_config, draft_vocab: int, layer: dict | None = None) -> 
     """The draft layer's config (the authors' ``config.json``: a one-layer Llama with ``draft_vocab_size``): the
     target's widths, heads and rotary settings, whatever its family (GPT-2, without rotary: Llama's default).
     ``layer``: LlamaConfig fields that replace those (a published draft's own, from its config: width, heads,
-    ``head_dim``, MLP, norm epsilon and rotary settings, :func:`methods._eagle3_published.layer_fields`)."""
+    ``head_dim``, MLP, norm epsilon and rotary settings, :func:`methods.eagle._published3.layer_fields`)."""
     c = target_config
     hidden, heads = c.hidden_size, c.num_attention_heads
     rope = getattr(c, "rope_parameters", None)

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from core.errors import BenchError
-from methods.eagle import Eagle
+from methods.eagle.eagle import Eagle
 from tests.helpers import (
     assert_greedy_equal_to_ar,
     assert_sampling_is_the_targets,

@@ -18,7 +18,7 @@ from torch import nn
 from core.checkpoints import Checkpoint
 from core.errors import BenchError
 from core.kv_cache import cache_of
-from methods._glide_published import FILES, WHAT, published_glide, read_layers
+from methods.glide._published import FILES, WHAT, published_glide, read_layers
 from tests.helpers import (
     assert_greedy_equal_to_ar,
     assert_published_follows_the_target,
@@ -27,7 +27,7 @@ from tests.helpers import (
     prompts_for,
     refusal_of,
 )
-from tests.methods.test_eagle_published import rms, rotate
+from tests.methods.eagle.test_published import rms, rotate
 
 
 @pytest.fixture()
@@ -152,7 +152,7 @@ def test_decoding_with_published_weights_equals_ar(pair, tmp_path, name):
 
 
 def test_the_converted_draft_is_cached(pair, tmp_path, monkeypatch):
-    from methods import _glide_published
+    from methods.glide import _published as _glide_published
 
     folder, _ = glide_file(tmp_path / "g", pair.target.module, tie=True)
     first = build(pair, "glide", weights=str(folder))
@@ -193,7 +193,7 @@ def test_the_published_draft_rereads_what_the_target_accepted(one_layer, monkeyp
     """As the authors' loop: after each verification the draft's cache is cut back to the pending token, and the
     next step's first read is that token, the accepted ones and the new pending one, against the target's cache
     of all but the last."""
-    from methods.glide import Glide
+    from methods.glide.glide import Glide
     from tests.helpers import decode, repeating_prompt, run
 
     pair, folder = one_layer  # a draft the target often agrees with: steps accept tokens

@@ -41,7 +41,7 @@ from core.artifacts import (
 from core.counting import Counted
 from core.kv_cache import lm_forward
 from core.model_parts import body_config, copy_last_layers
-from methods._adversarial import Adversary, AdversaryRecipe
+from training.adversarial import Adversary, AdversaryRecipe
 from training.kit import (
     budget,
     feature_stores,

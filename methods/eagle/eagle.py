@@ -1,5 +1,5 @@
 """EAGLE-2 (Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees") over
-EAGLE's feature-level draft (:mod:`methods._eagle_draft`).
+EAGLE's feature-level draft (:mod:`methods.eagle._draft`).
 
 Each step the draft first reads the target's features of the positions committed since the last step (their
 true values, from the verification forward: the guessed ones are dropped with the rejected proposal), then
@@ -32,8 +32,8 @@ from core.errors import BenchError
 from decoding.cache import truncate_cache
 from decoding.sampling import draft_token
 from decoding.tree import Tree, additive_mask
-from methods._eagle_draft import CountedEagle, EagleRecipe, load_or_train_eagle, untrained_eagle
-from methods._eagle_published import load_published_eagle
+from methods.eagle._draft import CountedEagle, EagleRecipe, load_or_train_eagle, untrained_eagle
+from methods.eagle._published import load_published_eagle
 from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
 from training.kit import check_store_keeps_hidden, untrained_if_synthetic

@@ -22,7 +22,7 @@ target's cached keys and values of layer ``L - n + i`` (L the target's layers: t
 last layer), all of the cache at inference (the block mask is training's only); then the final norm and the
 draft's head. After each verification their loop rolls the draft's own cache back to the pending token and has it
 read again, with the accepted tokens and the next pending one, against the target's extended cache
-(:meth:`methods.glide.Glide.accepted`). The authors' loader is ``from_pretrained`` (missing keys initialised at
+(:meth:`methods.glide.glide.Glide.accepted`). The authors' loader is ``from_pretrained`` (missing keys initialised at
 random with a warning); here every tensor is taken with its shape and nothing may be left over.
 
 One difference, kept on purpose: their cross-attention builds its own rotary with base 10000 (the Vicuna targets'),
@@ -45,7 +45,7 @@ from core.errors import BenchError
 from core.kv_cache import cache_kwargs
 from core.model_parts import decoder_layers
 from decoding.tree import additive_mask
-from methods._glide_draft import CrossAttention
+from methods.glide._draft import CrossAttention
 
 FILES = ("pytorch_model.bin", "model.safetensors")
 WHAT = "GliDe draft"
@@ -99,7 +99,7 @@ class PublishedGlide(nn.Module):
 
     def forward(self, emb: torch.Tensor, positions: torch.Tensor, kvs, visible: torch.Tensor | None = None,
                 cache=None) -> torch.Tensor:
-        """As :meth:`methods._glide_draft.GlideDraft.forward`: ``emb (B, n, h)`` the draft's own embeddings of n
+        """As :meth:`methods.glide._draft.GlideDraft.forward`: ``emb (B, n, h)`` the draft's own embeddings of n
         tokens at ``positions (n,)`` right after the ``cache``'s; ``kvs``: per block, the target's cached keys and
         values ``(B, n_kv, m, d)`` of the layer it reads (:func:`read_layers`). Returns ``(B, n, h)``."""
         n = emb.shape[1]

@@ -1,5 +1,5 @@
 """The authors' published EAGLE-3 draft (``method=eagle3 method.weights``), mapped onto
-:class:`methods._eagle3_draft.Eagle3Draft`.
+:class:`methods.eagle._draft3.Eagle3Draft`.
 
 Layout, as the authors' ``ea_model.py`` / ``cnets.py`` build and read it (Spec-Bench's ``model/eagle3``), e.g.
 ``yuhuili/EAGLE3-Vicuna1.3-13B``, ``yuhuili/EAGLE3-LLaMA3.1-Instruct-8B``:
@@ -35,7 +35,7 @@ from transformers.activations import ACT2FN
 
 from core.checkpoints import Checkpoint, load_converted, locate
 from core.errors import BenchError
-from methods._eagle3_draft import Eagle3Draft
+from methods.eagle._draft3 import Eagle3Draft
 
 FILES = ("pytorch_model.bin", "model.safetensors")
 WHAT = "EAGLE-3 draft"
@@ -75,7 +75,7 @@ def rotary(ck: Checkpoint) -> dict:
 
 
 def layer_fields(ck: Checkpoint, hidden: int) -> dict:
-    """The :func:`methods._eagle3_draft.draft_config` fields of a published draft ``hidden`` wide: its
+    """The :func:`methods.eagle._draft3.draft_config` fields of a published draft ``hidden`` wide: its
     ``config.json``'s, with the authors' ``EConfig`` defaults where a field is absent, and their heads
     ``hidden_size / num_attention_heads`` wide (their ``cnets.py`` ignores ``head_dim``: one that differs is
     refused)."""

@@ -10,7 +10,7 @@ from torch.nn import functional as F
 from transformers import DynamicCache
 
 from core.model_parts import decoder_layers
-from methods._eagle3_draft import (
+from methods.eagle._draft3 import (
     CountedEagle3,
     Eagle3Draft,
     LayerTaps,
@@ -214,7 +214,7 @@ def test_bad_input_is_one_sentence(compose_cfg, capsys):
 
 
 def test_the_cached_draft_loads_without_training(tiny_pair):
-    from methods.eagle3 import Eagle3
+    from methods.eagle.eagle3 import Eagle3
 
     trained = build(tiny_pair, "eagle3")
     loaded = Eagle3(Eagle3.settings({}), tiny_pair)

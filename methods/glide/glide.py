@@ -1,7 +1,7 @@
 """GliDe with CaPE (Du et al., ICML 2024, "GliDe with a CaPE: A Low-Hassle Method to Accelerate Speculative
 Decoding"): a draft that glimpses the target's KV cache, and proposals expanded where the draft is unsure.
 
-- GliDe (:mod:`methods._glide_draft`): the draft's blocks cross-attend to the target's cached keys and values
+- GliDe (:mod:`methods.glide._draft`): the draft's blocks cross-attend to the target's cached keys and values
   of one layer (the last by default). While decoding they are read straight from the target's KV cache,
   ``state.cache``, which after each commit holds exactly the committed tokens minus the pending one: the context
   the target verified. The draft keeps a KV cache of its own over what it has read (rolled back with the
@@ -14,7 +14,7 @@ Decoding"): a draft that glimpses the target's KV cache, and proposals expanded 
   one-hot q, so sampled output follows the target's distribution too).
 - Without CaPE: a chain of ``gamma`` tokens, greedy or sampled from the draft's distribution, verified by
   standard speculative sampling.
-- ``weights``: the authors' published draft (:mod:`methods._glide_published`: a small Llama of its own, block i of
+- ``weights``: the authors' published draft (:mod:`methods.glide._published`: a small Llama of its own, block i of
   n reading the target's layer L - n + i, all of the cache seen) instead of one trained here.
 
 Greedy output equals ``ar``'s token for token either way.
@@ -42,7 +42,7 @@ from core.model_parts import LEARNED_POSITIONS, decoder_layers, target_family
 from decoding.cache import truncate_cache
 from decoding.sampling import draft_token
 from decoding.tree import Tree
-from methods._glide_draft import (
+from methods.glide._draft import (
     CountedGlide,
     GlideDraft,
     GlideRecipe,
@@ -50,7 +50,7 @@ from methods._glide_draft import (
     load_or_train_glide,
     untrained_glide,
 )
-from methods._glide_published import load_published_glide, read_layers
+from methods.glide._published import load_published_glide, read_layers
 from methods.base import Draft, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
 from training.kit import untrained_if_synthetic
