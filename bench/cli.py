@@ -213,25 +213,26 @@ def train_main(args: list[str]) -> int:
                          "'python -m bench train all recipe=full').")
     if args[0] == "store":
         return train_store(args[1:])
-    from bench.models import draft_reports, load_pair, train_drafts
-    from bench.validate import validate
+    from bench.models import draft_reports, load_pair, train_drafts, use_threads
+    from bench.validate import validate_run
     from methods.registry import get_method, known_methods
 
     picked, args = methods_arg(args) if args[0] == "all" else (None, args)
-    cfg = validate(compose([*args[1:], "train_if_missing=true"]))  # train: build what is missing
+    cfg, checked = validate_run(compose([*args[1:], "train_if_missing=true"]))  # train: build what is missing
     refuse_synthetic(cfg, args[0])
+    use_threads(cfg)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # ``train draft`` and ``train all`` distil every draft of the pair; ``train method`` and ``train all
-    # methods=...`` only the drafts those methods use. Both honour threads= as run does.
+    # methods=...`` only the drafts those methods use.
     names = [cfg.method.name] if args[0] == "method" else picked or known_methods()
     every_draft = args[0] == "draft" or (args[0] == "all" and not picked)
     n_drafts = None if every_draft else max(get_method(n).drafts for n in names)
     if args[0] == "draft":
-        for report in train_drafts(cfg, n_drafts):
+        for report in train_drafts(cfg, n_drafts, checked):
             print(json.dumps(report, indent=2))
         return 0
     start = time.perf_counter()
-    pair = load_pair(cfg, n_drafts=n_drafts)  # distils the drafts that are missing, from the target it loads
+    pair = load_pair(cfg, n_drafts, checked)  # distils the drafts that are missing, from the target it loads
     reports = {"pair (stores and drafts)": {"seconds": round(time.perf_counter() - start, 1),
                                             "drafts": draft_reports(pair)}}
     for name in names:
@@ -279,15 +280,16 @@ def train_store(args: list[str]) -> int:
     """``train store [tokens=N] [recipe=NAME] [recipe.store.KEY=V ...] [overrides]``: build (or grow, or resume)
     the pair's teacher stores under the recipe (``training/store.py``): the train split to ``recipe.tokens``
     and the held-out split to ``recipe.eval_tokens``; prints what they hold and what labelling cost."""
-    from bench.models import load_pair
-    from bench.validate import validate
+    from bench.models import load_pair, use_threads
+    from bench.validate import validate_run
 
     # ``tokens=N`` is short for ``recipe.tokens=N``; the target is labelled unpacked, as the trainers read it.
     args = [f"recipe.{a}" if a.partition("=")[0] in ("tokens", "eval_tokens") else a for a in args]
-    cfg = validate(compose([*args, "packed_linear=false", "train_if_missing=true"]))
+    cfg, checked = validate_run(compose([*args, "packed_linear=false", "train_if_missing=true"]))
     refuse_synthetic(cfg, "store")
+    use_threads(cfg)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    pair = load_pair(cfg, n_drafts=0)  # no draft is loaded: only the store is built
+    pair = load_pair(cfg, 0, checked)  # no draft is loaded: only the store is built
     reports = {split: pair.teacher.store(pair.target.module, pair.tokenizer, split).report() for split in ("train", "test")}
     print(json.dumps(reports, indent=2))
     return 0

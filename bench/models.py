@@ -454,24 +454,35 @@ def _load_draft(spec: DictConfig, target, tokenizer, teacher: Teacher, device: t
     return model.to(device=device, dtype=dtype).eval()  # a no-op for one loaded or made there
 
 
-def _pair_settings(cfg: DictConfig) -> tuple[DictConfig, Path, Teacher]:
-    """``cfg.pair`` checked (defaults filled in, for scripts and tests that skip bench.validate), the cache
-    folder, and the teacher of ``cfg.recipe`` (it may label a missing store when ``cfg.train_if_missing``)."""
+def use_threads(cfg: DictConfig) -> None:
+    """Apply ``cfg.threads`` (torch's CPU intra-op threads; null: torch's default). Called where a run or a command
+    starts (:func:`bench.runner.run`, ``bench train``, the scripts), before any model work, so decoding, training and
+    the studies share the machine on the same terms; nothing that loads or trains sets it behind its caller's back."""
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
-    pair_cfg = as_config(check(PairSettings, OmegaConf.to_container(cfg.pair, resolve=True), "pair",
-                               f"pair={cfg.pair.get('name')}"))
+
+
+def pair_settings(cfg: DictConfig, checked: dict | None = None) -> tuple[DictConfig, Path, Teacher]:
+    """``cfg.pair`` as checked settings, the cache folder, and the teacher of ``cfg.recipe`` (it may label a missing
+    store when ``cfg.train_if_missing``). ``checked``: the typed settings :func:`bench.validate.validate_run` returned
+    for ``cfg`` (a run's, a command's), used as they are; without them (a test's or a script's own composed config)
+    the pair and the recipe are checked here, with the same sentences, defaults filled in."""
+    if checked is not None:
+        pair, recipe = checked["pair"], checked["recipe"]
+    else:
+        pair = check(PairSettings, OmegaConf.to_container(cfg.pair, resolve=True), "pair", f"pair={cfg.pair.get('name')}")
+        recipe = RECIPES["quick"] if cfg.get("recipe") is None else check(
+            RecipeSettings, OmegaConf.to_container(cfg.recipe, resolve=True), "recipe", f"recipe={cfg.recipe.get('name')}")
     cache = cache_root(cfg.get("cache_dir"))
-    recipe = RECIPES["quick"] if cfg.get("recipe") is None else check(
-        RecipeSettings, OmegaConf.to_container(cfg.recipe, resolve=True), "recipe", f"recipe={cfg.recipe.get('name')}")
-    return pair_cfg, cache, Teacher(recipe, cache, bool(cfg.get("train_if_missing", True)))
+    return as_config(pair), cache, Teacher(recipe, cache, bool(cfg.get("train_if_missing", True)))
 
 
-def train_drafts(cfg: DictConfig, n_drafts: int | None = None) -> list[dict]:
+def train_drafts(cfg: DictConfig, n_drafts: int | None = None, checked: dict | None = None) -> list[dict]:
     """Distil each missing draft among the pair's first ``n_drafts`` (``None``: all) whose source is
     ``distilled`` (``python -m bench train draft``); returns every such draft's training report, cached ones
-    included. The target loads once, as :func:`load_pair` loads it, and only when the pair has such a draft."""
-    pair_cfg, cache, teacher = _pair_settings(cfg)
+    included. The target loads once, as :func:`load_pair` loads it, and only when the pair has such a draft.
+    ``checked``: as :func:`pair_settings` takes it."""
+    pair_cfg, cache, teacher = pair_settings(cfg, checked)
     specs = [s for s in list(pair_cfg.get("drafts") or [])[:n_drafts] if s.source == "distilled"]
     if not specs:
         return []
@@ -504,7 +515,7 @@ def draft_reports(pair: Pair) -> list[dict]:
     return [draft_report(pair.target.module, pair.tokenizer, s.recipe, pair.teacher) for s in specs if s.source == "distilled"]
 
 
-def load_pair(cfg: DictConfig, n_drafts: int | None = None) -> Pair:
+def load_pair(cfg: DictConfig, n_drafts: int | None = None, checked: dict | None = None) -> Pair:
     """Load ``cfg.pair`` (target + drafts) on ``cfg.device`` in ``cfg.dtype``, all in eval mode, each read or
     made there directly (no float32 copy on the host). A distilled draft missing from the cache is distilled
     from this target first when ``cfg.train_if_missing`` (the target loads once per run), else it is an error
@@ -513,10 +524,11 @@ def load_pair(cfg: DictConfig, n_drafts: int | None = None) -> Pair:
     ``n_drafts``: how many of the pair's drafts to load, first ones first (``None``: all). A run loads only
     what its methods use (``Method.drafts``): ``ar`` never needs a draft it would not run.
 
-    ``cfg.threads`` (CPU intra-op threads) is applied first, so training, decoding and every script that loads
-    a pair share the machine on the same terms.
+    ``checked``: the typed settings :func:`bench.validate.validate_run` returned for ``cfg``, so a run checks its
+    settings once (without them the pair and the recipe are checked here: :func:`pair_settings`). ``cfg.threads`` is
+    the caller's to apply (:func:`use_threads`).
     """
-    pair_cfg, cache, teacher = _pair_settings(cfg)
+    pair_cfg, cache, teacher = pair_settings(cfg, checked)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     tokenizer = _target_tokenizer(pair_cfg.target, cache)

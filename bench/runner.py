@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from bench import memory, quality, reference, summary
 from bench.data import encode, load_prompts
-from bench.models import load_pair, resolve_device, resolve_dtype
+from bench.models import load_pair, resolve_device, resolve_dtype, use_threads
 from bench.results import (
     RecordWriter,
     previous_records,
@@ -29,7 +29,7 @@ from bench.results import (
     run_key,
     write_json_atomic,
 )
-from bench.validate import validate
+from bench.validate import validate_run
 from core import metrics
 from core.clock import clocked, sync
 from core.kv_cache import lm_forward
@@ -210,7 +210,8 @@ def paired_speedup(base: dict, rec: dict) -> float:
 
 def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
     """Decode every prompt of ``cfg.dataset`` with the baseline and ``cfg.method``; write the results."""
-    cfg = validate(cfg)  # checked, defaults filled in: before any model loads or any file is written
+    cfg, checked = validate_run(cfg)  # checked once, defaults filled in: before any model loads or file is written
+    use_threads(cfg)
     device = resolve_device(cfg.device)  # the optimised plain-decoding reference, or None; refused here if it cannot run
     ref_mode = reference.mode_for(cfg, device, packed=bool(cfg.packed_linear) and device.type == "cpu"
                                   and resolve_dtype(cfg.dtype, device) == torch.float32)
@@ -229,7 +230,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
 
     methods_, encoded, tensors, ref, own = {}, [], [], None, {}
     if todo:
-        pair = load_pair(cfg, n_drafts=drafts_needed(mcfgs))  # a missing distilled draft is distilled first
+        pair = load_pair(cfg, drafts_needed(mcfgs), checked)  # a missing distilled draft is distilled first
         methods_ = build_methods(cfg, mcfgs, pair)
         sampling = Sampling(float(cfg.temperature), float(cfg.top_p))
         encoded = [encode(p, pair.tokenizer, cfg.dataset.get("template")) for _, p in todo]

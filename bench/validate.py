@@ -130,16 +130,23 @@ def published_weights(settings: dict, at: str) -> tuple[str, str] | None:
     return None
 
 
-def validate(cfg: DictConfig) -> DictConfig:
-    """``cfg`` checked (:func:`checked`) and the files it names read far enough to be trusted: the config the
-    run uses, or one sentence on the first problem."""
+def validate_run(cfg: DictConfig) -> tuple[DictConfig, dict[str, Settings]]:
+    """``cfg`` checked (:func:`checked`) and the files it names read far enough to be trusted, once per run: the
+    config the run uses (defaults filled in; what records and run keys read) and the typed settings it was checked
+    into (:func:`checked`'s), which loading and training take as they are (``bench.models.load_pair(cfg, n,
+    checked)``); or one sentence on the first problem."""
     nodes = checked(cfg)
     check_files(nodes["pair"], nodes["dataset"])
     check_resume(nodes[""].resume)
     out = as_config(nodes[""])
     for group in GROUPS:
         out[group] = as_config(nodes[group])
-    return out
+    return out, nodes
+
+
+def validate(cfg: DictConfig) -> DictConfig:
+    """:func:`validate_run`'s config alone (for what loads no pair, or a script that lets ``load_pair`` check again)."""
+    return validate_run(cfg)[0]
 
 
 def check_files(pair: PairSettings, dataset) -> None:

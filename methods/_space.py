@@ -36,15 +36,19 @@ from pydantic import Field
 from torch import nn
 from transformers import DynamicCache
 
-from core.artifacts import (
-    Artifact,
-    load_or_build,
-    model_fingerprint,
-    report_of,
-)
+from core.artifacts import Artifact, model_fingerprint
 from core.kv_cache import lm_forward
 from decoding.cache import truncate_cache
-from training.kit import budget, fit_and_measure, fp32_eval, part_artifact, part_epochs, part_key, trained_part
+from training.kit import (
+    answer_rows,
+    budget,
+    fit_and_measure,
+    part_artifact,
+    part_epochs,
+    part_key,
+    trained_part,
+    training_start,
+)
 from training.loop import TrainRecipe
 from training.store import TeacherStore, tokenizer_key
 from training.teacher import Teacher
@@ -220,9 +224,7 @@ def train_space(target, tokenizer, masks: int, recipe: SpaceRecipe, teacher: Tea
     """Train the ``masks`` mask embeddings through the frozen ``target`` from the teacher store; returns them (CPU,
     fp32) and a report: held-out agreement per mask position before and after, on all text and on the target's
     own answers."""
-    torch.manual_seed(recipe.seed)
-    target = fp32_eval(target)
-    device = next(target.parameters()).device
+    target, device = training_start(target, recipe.seed)
     train, held = teacher.store(target, tokenizer, "train"), teacher.store(target, tokenizer, "test")
     emb = MaskEmbeddings.from_target(target, masks, bool(recipe.shared)).to(device)
     bs, cuts = recipe.batch_size, recipe.cuts
@@ -231,7 +233,7 @@ def train_space(target, tokenizer, masks: int, recipe: SpaceRecipe, teacher: Tea
             [emb], lambda rows: space_loss(target, emb, {n: t.to(device) for n, t in train.rows(rows, FIELDS).items()},
                                            cuts),
             examples=len(train), judge=lambda: space_judge(target, emb, held, cuts), held=len(held),
-            answer_rows=[i for i in range(len(held)) if held.kind(i) == "answers"],
+            answer_rows=answer_rows(held),
             epochs=part_epochs("space", recipe, teacher), batch_size=bs, lr=recipe.lr,
             desc=f"space: training {masks} mask embeddings through the frozen target")
     report.update(masks=masks, recipe=teacher.recipe.name, train_tokens=int(train.tokens))
@@ -266,11 +268,3 @@ def untrained_space(target_config, masks: int, recipe: SpaceRecipe) -> MaskEmbed
     """The mask embeddings :func:`train_space` would train, untrained (at zero): a synthetic pair's
     (:func:`training.kit.untrained_if_synthetic`)."""
     return MaskEmbeddings(masks, target_config.hidden_size, bool(recipe.shared)).eval()
-
-
-def load_or_train_space(target, tokenizer, masks: int, recipe: SpaceRecipe, teacher: Teacher,
-                        train_if_missing: bool = True) -> tuple[MaskEmbeddings, dict]:
-    """The cached mask embeddings, trained first when missing and ``train_if_missing``; returns them (CPU, fp32)
-    and their training report."""
-    art = space_artifact(target, tokenizer, masks, recipe, teacher)
-    return load_or_build(art, teacher.cache, train_if_missing), report_of(art, teacher.cache)

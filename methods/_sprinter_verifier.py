@@ -22,7 +22,7 @@ from pydantic import Field
 from torch import nn
 from tqdm.auto import tqdm
 
-from core.artifacts import Artifact, load_or_build, model_fingerprint, report_of
+from core.artifacts import Artifact, model_fingerprint
 from core.errors import BenchError
 from training.kit import budget, part_artifact, part_epochs, part_key, trained_part
 from training.loop import TrainRecipe, fit
@@ -233,10 +233,3 @@ def untrained_verifier(pair, recipe: VerifierRecipe) -> Verifier:
     """The verifier :func:`train_verifier` would fit, untrained (features unscaled): a synthetic pair's
     (:func:`training.kit.untrained_if_synthetic`)."""
     return Verifier(int(pair.draft.module.config.hidden_size) + (2 if recipe.probs else 0), recipe.width).eval()
-
-
-def load_or_train_verifier(pair, recipe: VerifierRecipe, train_if_missing: bool) -> tuple[Verifier, dict]:
-    """The cached verifier of (pair, recipe) and its held-out report, trained first when missing and
-    ``train_if_missing``."""
-    art = verifier_artifact(pair, recipe)
-    return load_or_build(art, pair.cache, train_if_missing), report_of(art, pair.cache)

@@ -7,7 +7,7 @@ target's own choice (argmax, or a sample) is committed.
 from __future__ import annotations
 
 from decoding.tree import Tree
-from methods.base import Draft, DraftVerify, PromptState
+from methods.base import DraftVerify, PromptState, Proposal
 from methods.registry import register
 
 
@@ -15,5 +15,5 @@ from methods.registry import register
 class AR(DraftVerify):
     lossless = True
 
-    def propose(self, state: PromptState) -> Draft:
-        return Draft(Tree(state.seq[-1]))
+    def propose(self, state: PromptState) -> Proposal:
+        return Proposal(Tree(state.seq[-1]))

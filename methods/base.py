@@ -174,7 +174,7 @@ class Method:
 
 
 @dataclass
-class Draft:
+class Proposal:
     """What a method proposes for one target forward: a token tree rooted at the pending token.
 
     ``q``: ``FloatTensor (len(tree), vocab)``: row v is the distribution node v's token was drawn from, when
@@ -190,7 +190,7 @@ class Draft:
     side: SideRows | None = None
 
     @classmethod
-    def chain(cls, pending: int, tokens, q: torch.Tensor | None = None) -> Draft:
+    def chain(cls, pending: int, tokens, q: torch.Tensor | None = None) -> Proposal:
         """A single path; ``q``: ``(len(tokens), vocab)`` when the tokens were sampled (None: deterministic)."""
         tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
         if q is not None:
@@ -291,26 +291,26 @@ class DraftVerify(Method):
         """Per-prompt set-up after the target's prefill, before its first token is committed (a draft's
         prefill, an index of the prompt); part of the timed decode."""
 
-    def propose(self, state: PromptState) -> Draft:
+    def propose(self, state: PromptState) -> Proposal:
         """The tokens to verify after ``state.seq``; at most ``state.draft_budget`` deep. An empty tree is a plain step."""
         raise NotImplementedError
 
-    def verify(self, state: PromptState, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
+    def verify(self, state: PromptState, proposal: Proposal, logits: torch.Tensor) -> tuple[list[int], int]:
         """``(path, next_token)``: accepted nodes from the root (0) and the target's token after them.
-        ``logits``: ``(len(draft.tree), vocab)``, row v scoring the token after node v. Default: the shared
+        ``logits``: ``(len(proposal.tree), vocab)``, row v scoring the token after node v. Default: the shared
         lossless verifiers (:func:`decoding.verify.verify_chain` for a chain, else :func:`verify_tree`)."""
-        if draft.tree.is_chain:
-            tokens = torch.tensor(draft.tree.tokens[1:], dtype=torch.long, device=logits.device)
-            q = draft.q[1:] if draft.q is not None else None
+        if proposal.tree.is_chain:
+            tokens = torch.tensor(proposal.tree.tokens[1:], dtype=torch.long, device=logits.device)
+            q = proposal.q[1:] if proposal.q is not None else None
             n, nxt = verify_chain(tokens, q, logits, state.sampling, state.generator)
             return list(range(n + 1)), nxt
-        return verify_tree(draft.tree, logits, state.sampling, state.generator, draft.q)
+        return verify_tree(proposal.tree, logits, state.sampling, state.generator, proposal.q)
 
-    def side_scored(self, state: PromptState, draft: Draft, logits: torch.Tensor) -> None:
+    def side_scored(self, state: PromptState, proposal: Proposal, logits: torch.Tensor) -> None:
         """Called after the forward of a draft with ``side`` rows, before :meth:`verify`; ``logits``: ``(len(
-        draft.side.keep), vocab)``, the kept side rows' in order."""
+        proposal.side.keep), vocab)``, the kept side rows' in order."""
 
-    def accepted(self, state: PromptState, draft: Draft, path: list[int], hidden: torch.Tensor | None) -> None:
+    def accepted(self, state: PromptState, proposal: Proposal, path: list[int], hidden: torch.Tensor | None) -> None:
         """Called after each step's commit (``path`` includes the root; ``hidden``: ``(len(path), hidden)``
         of the path's nodes when ``self.hidden``): update indexes, tallies, the next step's inputs (no
         need for those once ``state.done``)."""
@@ -330,16 +330,16 @@ class DraftVerify(Method):
             self.start(state)
             state.commit([int(next_token(out.logits[0, -1], sampling, generator))], drafted=None)
             while not state.done:
-                draft = self.propose(state)
+                proposal = self.propose(state)
                 past = state.cache.get_seq_length()
                 # ONE target forward scores the pending token and every proposed node (and any side rows).
-                keep = {"logits_to_keep": draft.logit_rows} if draft.logit_rows else {}
-                logits, hidden = score_tree(self.pair.target, state.cache, draft.tree, self.hidden, draft.side, **keep)
-                if draft.side is not None:
-                    self.side_scored(state, draft, logits[len(draft.tree):])
-                    logits = logits[: len(draft.tree)]
-                path, nxt = self.verify(state, draft, logits)
+                keep = {"logits_to_keep": proposal.logit_rows} if proposal.logit_rows else {}
+                logits, hidden = score_tree(self.pair.target, state.cache, proposal.tree, self.hidden, proposal.side, **keep)
+                if proposal.side is not None:
+                    self.side_scored(state, proposal, logits[len(proposal.tree):])
+                    logits = logits[: len(proposal.tree)]
+                path, nxt = self.verify(state, proposal, logits)
                 keep_path(state.cache, past, path)  # the root and the accepted nodes; the new token is pending
-                state.commit([draft.tree.tokens[v] for v in path[1:]] + [nxt], drafted=draft.depth)
-                self.accepted(state, draft, path, hidden[path] if hidden is not None else None)
+                state.commit([proposal.tree.tokens[v] for v in path[1:]] + [nxt], drafted=proposal.depth)
+                self.accepted(state, proposal, path, hidden[path] if hidden is not None else None)
             return state.output(self.extra(state))

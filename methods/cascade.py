@@ -37,7 +37,7 @@ from decoding.cache import truncate_cache
 from decoding.ngram import NGramIndex, load_bigram_table, ngram_sizes
 from decoding.sampling import probs_from_logits
 from decoding.verify import verify_chain
-from methods.base import Draft, DraftVerify, MethodSettings, PromptState
+from methods.base import DraftVerify, MethodSettings, PromptState, Proposal
 from methods.registry import register
 
 # Default k-matrices by the number of levels (target, drafts..., statistical): row i lists how many tokens
@@ -231,14 +231,14 @@ class Cascade(DraftVerify):
         state.levels = [TargetLevel(), *drafts, StatLevel(state.index, self.bigram)]
         state.reviews = {}
 
-    def propose(self, state: State) -> Draft:
+    def propose(self, state: State) -> Proposal:
         state.index.extend(state.seq[len(state.index):])
         tokens, q_rows, state.sources = self.propose_for(state, 0, state.seq, state.draft_budget)
         q = None if state.sampling.greedy else q_matrix(torch.tensor(tokens, dtype=torch.long, device=state.device),
                                                       q_rows, self.pair.target.module.config.vocab_size)
-        return Draft.chain(state.seq[-1], tokens, q)
+        return Proposal.chain(state.seq[-1], tokens, q)
 
-    def accepted(self, state: State, draft: Draft, path: list[int], hidden) -> None:
+    def accepted(self, state: State, proposal: Proposal, path: list[int], hidden) -> None:
         self.tally(state, 0, state.sources, len(path) - 1)  # the target's review is always strict
 
     def extra(self, state: State) -> dict:

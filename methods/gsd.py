@@ -51,7 +51,7 @@ from pydantic import Field
 from transformers import DynamicCache
 
 from decoding.tree import Tree, keep_path, read_nodes
-from methods.base import Draft, DraftVerify, MethodSettings, PromptState
+from methods.base import DraftVerify, MethodSettings, PromptState, Proposal
 from methods.registry import register
 
 
@@ -165,14 +165,14 @@ class GSD(DraftVerify):
 
     # ------------------------------------------------------------------------------------------- drafting
 
-    def propose(self, state: State) -> Draft:
+    def propose(self, state: State) -> Proposal:
         state.past = len(state.seq) - 1
         state.read = []
         graph = state.graph = Graph(state.seq[-1], self.cfg.repeat)
         depth = min(self.cfg.max_depth, state.draft_budget)
         if depth <= 0:
             state.origin, state.own = [0], [True]
-            return Draft(graph.tree)
+            return Proposal(graph.tree)
         pending = torch.tensor([state.seq[state.dcache.get_seq_length():]], device=state.device)
         logits = self.pair.draft(pending, state.dcache, logits_to_keep=1).logits[0, -1:]
         level, forwards = [0], 1
@@ -192,7 +192,7 @@ class GSD(DraftVerify):
         t["copies"] += state.own.count(False)  # nodes scored under a link: the draft did not compute them there
         t["merges"] += graph.merges
         t["draft_forwards"] += forwards
-        return Draft(tree)
+        return Proposal(tree)
 
     def expand(self, graph: Graph, level: list[int], logits: torch.Tensor) -> list[int]:
         """Add each node of ``level``'s candidates (``logits (len(level), vocab)``, the draft's after each);
@@ -211,9 +211,9 @@ class GSD(DraftVerify):
 
     # ------------------------------------------------------------------------------------------- after a step
 
-    def verify(self, state: State, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
-        path, nxt = super().verify(state, draft, logits)
-        if draft.depth:
+    def verify(self, state: State, proposal: Proposal, logits: torch.Tensor) -> tuple[list[int], int]:
+        path, nxt = super().verify(state, proposal, logits)
+        if proposal.depth:
             state.tally["steps"] += 1
             state.tally["accepted_through_link"] += not all(state.own[v] for v in path)
             # The draft's cache keeps the accepted nodes it computed in their own context, in order, before the

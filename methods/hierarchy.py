@@ -33,7 +33,7 @@ from core.metrics import ratio
 from core.schema import Settings
 from decoding.ngram import CorpusNGrams, NGramIndex, load_corpus_ngrams, ngram_sizes
 from decoding.tree import Tree
-from methods.base import Draft, DraftVerify, MethodSettings, PromptState
+from methods.base import DraftVerify, MethodSettings, PromptState, Proposal
 from methods.registry import register
 
 Database = Literal["context", "model", "statistics"]
@@ -174,7 +174,7 @@ class Hierarchy(DraftVerify):
         state.dbs = {name: dbs[name] for name in cfg.databases if dbs[name] is not None}  # in query order
         state.tally = {name: {"lookups": 0, "hits": 0, "proposed": 0, "accepted": 0} for name in cfg.databases}
 
-    def propose(self, state: State) -> Draft:
+    def propose(self, state: State) -> Proposal:
         state.context.extend(state.seq[len(state.context):])  # what was committed since the last step
         k, n_cand = min(self.cfg.draft_len, state.draft_budget), self.cfg.num_candidates
         tree, found = Tree(state.seq[-1]), 0
@@ -188,11 +188,11 @@ class Hierarchy(DraftVerify):
                 new = tree.add(cand, name)
                 state.tally[name]["proposed"] += new
                 found += new > 0
-        return Draft(tree)
+        return Proposal(tree)
 
-    def accepted(self, state: State, draft: Draft, path: list[int], hidden) -> None:
+    def accepted(self, state: State, proposal: Proposal, path: list[int], hidden) -> None:
         for v in path[1:]:
-            state.tally[draft.tree.source[v]]["accepted"] += 1
+            state.tally[proposal.tree.source[v]]["accepted"] += 1
 
     def extra(self, state: State) -> dict:
         for fig in state.tally.values():

@@ -35,7 +35,7 @@ import torch
 from pydantic import Field
 
 from decoding.tree import SideRows, Tree
-from methods.base import Draft, DraftVerify, MethodSettings, PromptState
+from methods.base import DraftVerify, MethodSettings, PromptState, Proposal
 from methods.registry import register
 
 WINDOW_SEED = 10  # the authors' random.seed(10) before drawing the first level from the prompt
@@ -76,7 +76,7 @@ class Lookahead(DraftVerify):
         if self.cfg.pool_from_prompt:
             self.pool_committed(state)
 
-    def propose(self, state: State) -> Draft:
+    def propose(self, state: State) -> Proposal:
         root, n = state.seq[-1], self.cfg.level
         tree = Tree(root)
         depth = min(state.draft_budget, n - 1)
@@ -86,9 +86,9 @@ class Lookahead(DraftVerify):
         side = window_rows(state.levels)
         state.guesses.append(len(grams))
         state.rows.append(len(tree) + len(side.tokens))
-        return Draft(tree, side=side)
+        return Proposal(tree, side=side)
 
-    def side_scored(self, state: State, draft: Draft, logits: torch.Tensor) -> None:
+    def side_scored(self, state: State, proposal: Proposal, logits: torch.Tensor) -> None:
         """The window's next level from its top level's logits; a full window gives each column's n-gram to the
         pool and drops its oldest level, as the authors' code does (one column per step, whatever is accepted)."""
         new, levels = logits.argmax(-1).tolist(), state.levels
@@ -97,12 +97,12 @@ class Lookahead(DraftVerify):
         elif len(levels) < self.cfg.level - 1:  # filling: every level loses its first column
             state.levels = [level[1:] for level in levels] + [new[1:]]
         else:
-            keys = [draft.tree.tokens[0]] + levels[0]  # the token before each column's diagonal
+            keys = [proposal.tree.tokens[0]] + levels[0]  # the token before each column's diagonal
             for i, key in enumerate(keys):
                 remember(state.pool, key, tuple(level[i] for level in levels[1:]) + (new[i],), self.cfg.guess)
             state.levels = [levels[1][1:]] + levels[2:] + [new]
 
-    def accepted(self, state: State, draft: Draft, path: list[int], hidden: torch.Tensor | None) -> None:
+    def accepted(self, state: State, proposal: Proposal, path: list[int], hidden: torch.Tensor | None) -> None:
         if self.cfg.pool_from_prompt:
             self.pool_committed(state)
 

@@ -67,7 +67,7 @@ from methods._nest import (
     load_or_build_datastore,
     open_given,
 )
-from methods.base import Draft, DraftVerify, MethodSettings, PromptState
+from methods.base import DraftVerify, MethodSettings, PromptState, Proposal
 from methods.registry import register
 
 NEST_CORPORA = Literal["news", "lee", "wiki", "news+wiki", "lee+wiki"]
@@ -219,13 +219,13 @@ class Nest(DraftVerify):
         state.gated = state.spans = state.spans_whole = state.span_tokens = state.span_kept = 0
         # Copies start from the first verifying forward on.
 
-    def propose(self, state: State) -> Draft:
+    def propose(self, state: State) -> Proposal:
         state.span = state.plan[: max(state.draft_budget, 0)]
         state.spans += bool(state.span)
         state.span_tokens += len(state.span)
-        return Draft.chain(state.seq[-1], [t for t, _, _ in state.span])
+        return Proposal.chain(state.seq[-1], [t for t, _, _ in state.span])
 
-    def verify(self, state: State, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
+    def verify(self, state: State, proposal: Proposal, logits: torch.Tensor) -> tuple[list[int], int]:
         """Relaxed acceptance of the copied span; the next token from the mixture after the kept prefix."""
         mix = self.mixture(state.index, logits, state.queries[0][0])
         kept = 0
@@ -238,7 +238,7 @@ class Nest(DraftVerify):
         state.plan = self.continuation(*src) if src is not None else []
         return list(range(kept + 1)), nxt
 
-    def accepted(self, state: State, draft: Draft, path: list[int], hidden) -> None:
+    def accepted(self, state: State, proposal: Proposal, path: list[int], hidden) -> None:
         committed = state.step_sources[: len(state.out) - len(state.sources)]  # the commit may stop at EOS / budget
         state.sources += committed
         for s in committed:

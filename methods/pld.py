@@ -14,7 +14,7 @@ from pydantic import Field, model_validator
 
 from core.metrics import ratio
 from decoding.ngram import NGramIndex, ngram_sizes
-from methods.base import Draft, DraftVerify, MethodSettings, PromptState
+from methods.base import DraftVerify, MethodSettings, PromptState, Proposal
 from methods.registry import register
 
 
@@ -43,13 +43,13 @@ class PLD(DraftVerify):
         state.index.add_document(state.seq)
         state.lookups = state.hits = 0
 
-    def propose(self, state: State) -> Draft:
+    def propose(self, state: State) -> Proposal:
         state.index.extend(state.seq[len(state.index):])  # what was committed since the last step
         k = min(self.cfg.draft_len, state.draft_budget)
         found = state.index.continuations(state.seq, k) if k > 0 else []
         state.lookups += k > 0
         state.hits += bool(found)
-        return Draft.chain(state.seq[-1], found[0] if found else [])
+        return Proposal.chain(state.seq[-1], found[0] if found else [])
 
     def extra(self, state: State) -> dict:
         proposed, accepted = sum(state.drafted), sum(a - 1 for a in state.accept_lengths)

@@ -26,7 +26,7 @@ import torch
 from pydantic import Field, NonNegativeInt, model_validator
 
 from decoding.tree import Tree
-from methods.base import Draft, DraftVerify, MethodSettings, PromptState
+from methods.base import DraftVerify, MethodSettings, PromptState, Proposal
 from methods.registry import register
 
 # The paper's tree template "2.2.2" (Spec-Bench's default): 80 rank paths in breadth-first order, depth 6; a
@@ -111,12 +111,12 @@ class Recycling(DraftVerify):
             recycle(state.matrix, state.seq, state.prompt_logits)
         state.nodes = []
 
-    def propose(self, state: State) -> Draft:
+    def propose(self, state: State) -> Proposal:
         shape = self.shapes[min(state.draft_budget, self.shape.max_depth)]
         state.nodes.append(len(shape))
         if len(shape) == 1:
-            return Draft(Tree(state.seq[-1]))
-        return Draft(shape.fill(self.fill(state.matrix, state.seq[-1], shape)))
+            return Proposal(Tree(state.seq[-1]))
+        return Proposal(shape.fill(self.fill(state.matrix, state.seq[-1], shape)))
 
     def fill(self, matrix: torch.Tensor, pending: int, shape: Tree) -> list[int]:
         """The tokens of ``shape``'s nodes (``pending`` at the root), breadth-first from ``matrix``: one gather
@@ -128,9 +128,9 @@ class Recycling(DraftVerify):
             tokens[nodes] = flat[tokens[self.parent[nodes]] * k + self.rank[nodes]]
         return tokens.tolist()
 
-    def verify(self, state: State, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
-        recycle(state.matrix, draft.tree.tokens, logits)  # every scored node's top-k, accepted or not
-        return super().verify(state, draft, logits)
+    def verify(self, state: State, proposal: Proposal, logits: torch.Tensor) -> tuple[list[int], int]:
+        recycle(state.matrix, proposal.tree.tokens, logits)  # every scored node's top-k, accepted or not
+        return super().verify(state, proposal, logits)
 
     def extra(self, state: State) -> dict:
         return {

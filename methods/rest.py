@@ -36,7 +36,7 @@ from core.corpus import CORPORA, corpus
 from core.errors import BenchError
 from decoding.suffix_array import continuations, draft_trie, match_range, suffix_array
 from decoding.tree import Tree
-from methods.base import Draft, DraftVerify, MethodSettings, PromptState
+from methods.base import DraftVerify, MethodSettings, PromptState, Proposal
 from methods.registry import register
 from training.kit import budget
 
@@ -214,7 +214,7 @@ class Rest(DraftVerify):
         span, lo, hi = found
         return span, continuations(self.tokens, self.sa, (lo, min(hi, lo + self.cfg.matches)), span, self.cfg.long)
 
-    def propose(self, state: State) -> Draft:
+    def propose(self, state: State) -> Proposal:
         tree = Tree(state.seq[-1])
         if state.draft_budget > 0:
             span, rows = self.retrieve(state.seq)
@@ -223,7 +223,7 @@ class Rest(DraftVerify):
             for depth, parent, token in draft_trie(rows[:, : state.draft_budget], self.cfg.choices):
                 ids.append(tree.add_child(0 if parent < 0 else ids[parent], token, merge=False))
         state.nodes.append(len(tree))
-        return Draft(tree)
+        return Proposal(tree)
 
     def extra(self, state: State) -> dict:
         found = [s for s in state.spans if s > 0]

@@ -34,7 +34,7 @@ from core.metrics import ratio
 from decoding.ngram import corpus_token_docs
 from decoding.suffix_automaton import SuffixAutomaton
 from decoding.tree import Tree
-from methods.base import Draft, DraftVerify, MethodSettings
+from methods.base import DraftVerify, MethodSettings, Proposal
 from methods.eagle.eagle import Eagle, EagleSettings
 from methods.pld import PLD
 from methods.registry import register
@@ -130,10 +130,10 @@ class SAMD(DraftVerify):
             state.corpus_cursor = self.corpus_sam.match(state.seq[state.corpus_read:-1], *state.corpus_cursor)
             state.corpus_read = len(state.seq) - 1
 
-    def propose(self, state: State) -> Draft:
+    def propose(self, state: State) -> Proposal:
         pending, k = state.seq[-1], min(self.cfg.n_predicts - 1, state.draft_budget)
         if k <= 0:
-            return self.chosen(state, "none", Draft(Tree(pending)))
+            return self.chosen(state, "none", Proposal(Tree(pending)))
         self.read(state)
         node, match = state.sam.step(*state.cursor, pending)
         cnode, cmatch = self.corpus_sam.step(*state.corpus_cursor, pending) if self.corpus_sam else (0, 0)
@@ -141,28 +141,28 @@ class SAMD(DraftVerify):
         if self.cfg.aux == "none":
             if match >= cmatch:
                 tokens = state.sam.continuation(node, min(k, int(self.cfg.alpha * match)))
-                return self.chosen(state, "automaton", Draft.chain(pending, tokens))
+                return self.chosen(state, "automaton", Proposal.chain(pending, tokens))
             size = min(k, int(self.cfg.alpha * cmatch)) + 1
-            return self.chosen(state, "corpus", Draft(self.corpus_tree(pending, cnode, size, k)))
+            return self.chosen(state, "corpus", Proposal(self.corpus_tree(pending, cnode, size, k)))
         cmatch -= self.cfg.len_bias
         if max(match, cmatch) >= self.cfg.len_threshold:
             if match >= cmatch:
                 node = state.sam.earlier(node, k + 1)  # a shorter suffix may have more text after it
-                return self.chosen(state, "automaton", Draft.chain(pending, state.sam.continuation(node, k)))
-            return self.chosen(state, "corpus", Draft.chain(pending, self.corpus_sam.continuation(cnode, k)))
+                return self.chosen(state, "automaton", Proposal.chain(pending, state.sam.continuation(node, k)))
+            return self.chosen(state, "corpus", Proposal.chain(pending, self.corpus_sam.continuation(cnode, k)))
         aux = self.pld if self.pld is not None else self.eagle
         return self.chosen(state, self.cfg.aux, aux.propose(state))
 
-    def chosen(self, state: State, source: str, draft: Draft) -> Draft:
-        state.source = source if draft.depth else "none"  # an empty draft is a plain step, whoever looked
+    def chosen(self, state: State, source: str, proposal: Proposal) -> Proposal:
+        state.source = source if proposal.depth else "none"  # an empty draft is a plain step, whoever looked
         state.steps[state.source] += 1
-        state.proposed[state.source] += draft.depth
-        return draft
+        state.proposed[state.source] += proposal.depth
+        return proposal
 
-    def accepted(self, state: State, draft: Draft, path: list[int], hidden) -> None:
+    def accepted(self, state: State, proposal: Proposal, path: list[int], hidden) -> None:
         state.kept[state.source] += len(path) - 1
         if self.eagle is not None:  # EAGLE's draft reads the true features of every committed token
-            self.eagle.accepted(state, draft, path, hidden)
+            self.eagle.accepted(state, proposal, path, hidden)
 
     def corpus_tree(self, pending: int, node: int, size: int, depth: int) -> Tree:
         """The authors' static-SAM tree: best-first from ``node`` by the share of its occurrences each

@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from core import metrics
 from decoding.sampling import probs_from_logits, sample
-from methods.base import Draft, DraftVerify, MethodSettings, PromptState
+from methods.base import DraftVerify, MethodSettings, PromptState, Proposal
 from methods.registry import register
 
 
@@ -82,17 +82,17 @@ class SD(DraftVerify):
         state.dcache = state.draft_cache(self.pair.draft)  # the draft reads the prompt too: its cost, counted
         state.gamma = self.cfg.gamma
 
-    def propose(self, state: State) -> Draft:
+    def propose(self, state: State) -> Proposal:
         k = min(state.gamma, state.draft_budget)
         if k <= 0:
-            return Draft.chain(state.seq[-1], [])
+            return Proposal.chain(state.seq[-1], [])
         pending = state.seq[state.dcache.get_seq_length():]
         tokens, q = draft_chain(self.pair.draft, state.dcache, pending, k, state.sampling, state.generator,
                                 state.device, self.cfg.confidence)
-        return Draft.chain(state.seq[-1], tokens, q)
+        return Proposal.chain(state.seq[-1], tokens, q)
 
-    def accepted(self, state: State, draft: Draft, path: list[int], hidden) -> None:
+    def accepted(self, state: State, proposal: Proposal, path: list[int], hidden) -> None:
         if self.cfg.adaptive:
             # Hugging Face's heuristic schedule: lengthen after a full accept, shorten otherwise.
-            full = len(path) - 1 == draft.depth
+            full = len(path) - 1 == proposal.depth
             state.gamma = min(state.gamma + 2, self.cfg.gamma_max) if full else max(state.gamma - 1, self.cfg.gamma_min)

@@ -60,10 +60,10 @@ from core.metrics import ratio
 from decoding.sampling import next_token
 from decoding.tree import Tree, keep_path, score_tree
 from decoding.verify import verify_chain
-from methods._space import SpaceRecipe, load_or_train_space, untrained_space
+from methods._space import SpaceRecipe, space_artifact, untrained_space
 from methods.base import DecodeOutput, DraftVerify, MethodSettings, PromptState
 from methods.registry import register
-from training.kit import untrained_if_synthetic
+from training.kit import load_or_train, untrained_if_synthetic
 
 MASK = -1  # the token a mask slot holds in a layout's tree (its input is a trained embedding, not a token)
 
@@ -123,8 +123,8 @@ class Space(DraftVerify):
         target = self.pair.target.module
         emb, self.report = untrained_if_synthetic(
             self.pair, lambda: untrained_space(target.config, self.cfg.masks, self.cfg.recipe),
-            lambda: load_or_train_space(target, self.pair.tokenizer, self.cfg.masks, self.cfg.recipe, self.pair.teacher,
-                                        train_if_missing))
+            lambda: load_or_train(space_artifact(target, self.pair.tokenizer, self.cfg.masks, self.cfg.recipe,
+                                                 self.pair.teacher), self.pair.teacher.cache, train_if_missing))
         with torch.no_grad():
             self.embeddings = emb().to(device=self.pair.device, dtype=self.pair.dtype)  # (k, hidden)
 

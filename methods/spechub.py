@@ -73,7 +73,7 @@ from decoding.verify import (
     rrs_acceptance,
     verify_hub,
 )
-from methods.base import Draft, DraftVerify, MethodSettings, PromptState
+from methods.base import DraftVerify, MethodSettings, PromptState, Proposal
 from methods.registry import register
 
 
@@ -134,12 +134,12 @@ class SpecHub(DraftVerify):
 
     # ------------------------------------------------------------------------------------------- drafting
 
-    def propose(self, state: State) -> Draft:
+    def propose(self, state: State) -> Proposal:
         depth = min(self.cfg.gamma, state.draft_budget)
         state.past = len(state.seq) - 1
         tree = Tree(state.seq[-1])
         if depth <= 0:
-            return Draft(tree)
+            return Proposal(tree)
         pending = torch.tensor([state.seq[state.dcache.get_seq_length():]], device=state.device)
         logits = self.pair.draft(pending, state.dcache, logits_to_keep=1).logits[0, -1]
         tokens, rows = self.first_tokens(state, logits)
@@ -155,7 +155,7 @@ class SpecHub(DraftVerify):
                 rows += list(q)
             level = [tree.add_child(v, t, merge=False) for v, t in zip(level, nxt.tolist())]
         q = torch.stack([rows[0].new_zeros(rows[0].shape), *rows]) if rows else None  # row 0: the root, unused
-        return Draft(tree, q)
+        return Proposal(tree, q)
 
     def first_tokens(self, state: State, logits: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
         """The k sequences' first tokens after the pending one, and the row of q each is verified with (none when
@@ -176,25 +176,25 @@ class SpecHub(DraftVerify):
 
     # ------------------------------------------------------------------------------------------- verifying
 
-    def verify(self, state: State, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
+    def verify(self, state: State, proposal: Proposal, logits: torch.Tensor) -> tuple[list[int], int]:
         if self.cfg.verifier == "hub":
-            path, nxt = verify_hub(draft.tree, logits, state.sampling, state.generator, draft.q)
+            path, nxt = verify_hub(proposal.tree, logits, state.sampling, state.generator, proposal.q)
         else:
-            path, nxt = super().verify(state, draft, logits)  # RRS over each node's children (verify_tree)
-        if draft.depth:
-            self.tally(state, draft, logits, path)
+            path, nxt = super().verify(state, proposal, logits)  # RRS over each node's children (verify_tree)
+        if proposal.depth:
+            self.tally(state, proposal, logits, path)
             # The draft read the nodes above the leaves; keep the accepted ones' entries, in order, before the
             # commit rolls its cache back to the committed text (which they then are).
-            keep_path(state.dcache, state.past, path[: draft.depth])
+            keep_path(state.dcache, state.past, path[: proposal.depth])
         return path, nxt
 
-    def tally(self, state: State, draft: Draft, logits: torch.Tensor, path: list[int]) -> None:
+    def tally(self, state: State, proposal: Proposal, logits: torch.Tensor, path: list[int]) -> None:
         """Which root draft was kept; and, when sampling two drafts, both schemes' expected root acceptance on
         this very context (the same p and q: a paired comparison, free of sampling noise)."""
         state.tree_steps += 1
         if len(path) > 1:
-            state.kept_by_draft[draft.tree.children[0].index(path[1])] += 1
-            state.kept_top += draft.tree.tokens[path[1]] == state.root_top
+            state.kept_by_draft[proposal.tree.children[0].index(path[1])] += 1
+            state.kept_top += proposal.tree.tokens[path[1]] == state.root_top
         if state.root_q is not None and self.cfg.drafts == 2:
             p = probs_from_logits(logits[0], state.sampling)
             state.expected["hub"].append(hub_acceptance(p, state.root_q))

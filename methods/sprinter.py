@@ -36,13 +36,13 @@ from methods._sprinter_verifier import (
     VerifierRecipe,
     draft_forward,
     features,
-    load_or_train_verifier,
     untrained_verifier,
+    verifier_artifact,
     verifier_dir,
 )
-from methods.base import Draft, DraftVerify, MethodSettings, PromptState
+from methods.base import DraftVerify, MethodSettings, PromptState, Proposal
 from methods.registry import register
-from training.kit import untrained_if_synthetic
+from training.kit import load_or_train, untrained_if_synthetic
 
 
 @register("sprinter")
@@ -58,9 +58,9 @@ class Sprinter(DraftVerify):
         verifier: VerifierRecipe = Field(default_factory=VerifierRecipe, description="the verifier's training recipe")
 
     def setup(self, train_if_missing: bool = True) -> None:
-        model, self.report = untrained_if_synthetic(self.pair, lambda: untrained_verifier(self.pair, self.cfg.verifier),
-                                                    lambda: load_or_train_verifier(self.pair, self.cfg.verifier,
-                                                                                   train_if_missing))
+        model, self.report = untrained_if_synthetic(
+            self.pair, lambda: untrained_verifier(self.pair, self.cfg.verifier),
+            lambda: load_or_train(verifier_artifact(self.pair, self.cfg.verifier), self.pair.cache, train_if_missing))
         expected = int(self.pair.draft.module.config.hidden_size) + (2 if self.cfg.verifier.probs else 0)
         if model.d_in != expected:
             raise BenchError(f"the cached SPRINTER verifier reads {model.d_in} features but this draft gives "
@@ -114,21 +114,21 @@ class Sprinter(DraftVerify):
         state.q_last = None
         state.stats = Counter()
 
-    def propose(self, state: State) -> Draft:
+    def propose(self, state: State) -> Proposal:
         # Never draft past the budget: the target's own token fills the last slot.
         tokens, state.q_last, why = self.draft_run(state, min(self.cfg.max_run, state.draft_budget))
         state.stats[f"runs_{why}"] += 1
         # ONE target forward over the pending token and the run; only the last two rows are needed:
         # the row scoring the last drafted token and the bonus row after it.
-        return Draft(Tree.chain(state.seq[-1], tokens), logit_rows=min(2, len(tokens) + 1))
+        return Proposal(Tree.chain(state.seq[-1], tokens), logit_rows=min(2, len(tokens) + 1))
 
-    def verify(self, state: State, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
-        k = draft.depth
+    def verify(self, state: State, proposal: Proposal, logits: torch.Tensor) -> tuple[list[int], int]:
+        k = proposal.depth
         if k == 0:
             return [0], int(next_token(logits[-1], state.sampling, state.generator))
         q = state.q_last.unsqueeze(0) if state.q_last is not None else None
         # The SD rule on the last token only; the k - 1 before it are committed unchecked.
-        last = torch.tensor(draft.tree.tokens[-1:], device=logits.device)
+        last = torch.tensor(proposal.tree.tokens[-1:], device=logits.device)
         n, nxt = verify_chain(last, q, logits, state.sampling, state.generator)
         state.stats["checked_rejected"] += 1 - n
         state.stats["unchecked_tokens"] += k - 1

@@ -48,7 +48,7 @@ from methods._swift import (
     n_layers_of,
     prompt_cache,
 )
-from methods.base import Draft, DraftVerify, MethodSettings, PromptState
+from methods.base import DraftVerify, MethodSettings, PromptState, Proposal
 from methods.registry import register
 
 CONFIDENCE_BANDS = (0.95, 0.8, 0.5)  # the paper's: a top-1 probability above each picks widths[0], [1], [2]
@@ -160,19 +160,19 @@ class Swift(DraftVerify):
 
     # ------------------------------------------------------------------------------------------- drafting
 
-    def propose(self, state: State) -> Draft:
+    def propose(self, state: State) -> Proposal:
         searching = self.search is not None and not self.search.done
         if searching and len(state.out) > self.cfg.context_window + 1 and state.steps % self.cfg.search_every == 0:
             self.search_step(state)
         state.steps += 1
         k = min(self.cfg.max_draft, state.draft_budget)
         if k <= 0:
-            return Draft.chain(state.seq[-1], [])
+            return Proposal.chain(state.seq[-1], [])
         chain, confidences, rows = self.draft_chain(state, k)
-        draft = self.tree(state, chain, confidences, rows)
+        proposal = self.tree(state, chain, confidences, rows)
         state.chain_lens.append(len(chain))
-        state.candidates.append(len(draft.tree) - 1)
-        return draft
+        state.candidates.append(len(proposal.tree) - 1)
+        return proposal
 
     def draft_chain(self, state: State, k: int) -> tuple[list[int], list[float], list[torch.Tensor]]:
         """Up to ``k`` tokens from the skipping target, each its argmax or a sample, stopping after one whose
@@ -196,7 +196,7 @@ class Swift(DraftVerify):
         truncate_cache(state.cache, past)  # the committed text again: the target recomputes every layer
         return chain, confidences, rows
 
-    def tree(self, state: State, chain: list[int], confidences: list[float], rows: list[torch.Tensor]) -> Draft:
+    def tree(self, state: State, chain: list[int], confidences: list[float], rows: list[torch.Tensor]) -> Proposal:
         """The chain and, at each position, ``width(confidence) - 1`` more candidates as siblings of its token:
         the next-best tokens (greedy; deterministic, ``q = None``) or more draws from the same distribution
         (sampling; ``q`` holds it for each, as the tree verifier's recursive rejection sampling needs)."""
@@ -218,7 +218,7 @@ class Swift(DraftVerify):
                 qs += [row] * (1 + len(draws))  # nodes are numbered as added: q's rows follow them
             node = child
         q = None if greedy else torch.stack([torch.zeros_like(qs[0])] + qs)
-        return Draft(tree, q)
+        return Proposal(tree, q)
 
     def extra(self, state: State) -> dict:
         search = self.search

@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.cli import compose  # noqa: E402
 from bench.data import builtin_prompts  # noqa: E402
-from bench.models import load_pair  # noqa: E402
+from bench.models import load_pair, use_threads  # noqa: E402
 from bench.results import provenance, write_json_atomic  # noqa: E402
-from bench.validate import validate  # noqa: E402
+from bench.validate import validate_run  # noqa: E402
 from core.corpus import instruction_prompts  # noqa: E402
 from core.errors import BenchError  # noqa: E402
 from training import kit  # noqa: E402
@@ -80,8 +80,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default="results/answer_agreement")
     args, overrides = parser.parse_known_args(argv)
     try:
-        cfg = validate(compose([*overrides, "train_if_missing=false"]))
-        pair = load_pair(cfg, n_drafts=1)
+        cfg, checked = validate_run(compose([*overrides, "train_if_missing=false"]))
+        use_threads(cfg)
+        pair = load_pair(cfg, 1, checked)
         draft = pair.draft.module  # one sentence for a pair without a draft
     except BenchError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -24,10 +24,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench.cli import compose  # noqa: E402
 from bench.data import encode, load_prompts  # noqa: E402
-from bench.models import load_pair  # noqa: E402
+from bench.models import load_pair, use_threads  # noqa: E402
 from bench.results import provenance, write_json_atomic  # noqa: E402
 from bench.runner import clocked, cost_ratio, timed_decode  # noqa: E402
-from bench.validate import validate  # noqa: E402
+from bench.validate import validate_run  # noqa: E402
 from core import metrics  # noqa: E402
 from decoding.sampling import Sampling  # noqa: E402
 from methods.registry import get_method  # noqa: E402
@@ -59,8 +59,9 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "bench_spine")
     args, overrides = ap.parse_known_args(argv)
-    cfg = validate(compose(["method=sd", *overrides]))  # defaults filled in (max_new_tokens: the dataset's)
-    pair = load_pair(cfg)  # distils the draft first when it is missing
+    cfg, checked = validate_run(compose(["method=sd", *overrides]))  # defaults filled in (max_new_tokens: the dataset's)
+    use_threads(cfg)
+    pair = load_pair(cfg, checked=checked)  # distils the draft first when it is missing
     prompts = load_prompts(cfg.dataset, cfg.seed)
     xs = [torch.tensor([encode(p, pair.tokenizer)], device=pair.device) for p in prompts]
     ar = get_method("ar")(compose(["method=ar"]).method, pair)

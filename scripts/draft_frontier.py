@@ -43,10 +43,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.cli import compose  # noqa: E402
-from bench.models import load_pair  # noqa: E402
+from bench.models import load_pair, use_threads  # noqa: E402
 from bench.results import provenance, write_json_atomic  # noqa: E402
 from bench.runner import forward_seconds  # noqa: E402
-from bench.validate import validate  # noqa: E402
+from bench.validate import validate_run  # noqa: E402
 from core import metrics  # noqa: E402
 from core.corpus import corpus, instruction_prompts  # noqa: E402
 from core.errors import BenchError  # noqa: E402
@@ -109,8 +109,9 @@ def trained_draft_row(recipe: str, overrides: list[str], held_answers, held_top1
     here: None when it is missing)."""
     name, *more = recipe.split()
     try:
-        cfg = validate(compose([*overrides, f"recipe={name}", *more, "train_if_missing=false"]))
-        pair = load_pair(cfg, n_drafts=1)
+        cfg, checked = validate_run(compose([*overrides, f"recipe={name}", *more, "train_if_missing=false"]))
+        use_threads(cfg)
+        pair = load_pair(cfg, 1, checked)
     except BenchError as err:
         print(f"recipe {recipe!r}: skipped ({err})", flush=True)
         return None
@@ -148,8 +149,9 @@ def main(argv: list[str]) -> None:
     if not 0 < args.held_out < args.prompts:
         sys.exit(f"error: --held-out ({args.held_out}) must be at least 1 and below --prompts ({args.prompts}).")
     # Validated: defaults filled in (max_new_tokens: the dataset's); the target alone, as ar runs it.
-    cfg = validate(compose(["method=ar", "pair.drafts=[]", *overrides]))
-    pair = load_pair(cfg)
+    cfg, checked = validate_run(compose(["method=ar", "pair.drafts=[]", *overrides]))
+    use_threads(cfg)
+    pair = load_pair(cfg, checked=checked)
     target, device = pair.target.module.eval(), pair.device
     depths = [int(k) for k in args.depths.split(",")]
 

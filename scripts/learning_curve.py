@@ -30,10 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.cli import compose  # noqa: E402
-from bench.models import load_pair, resolve_device  # noqa: E402
+from bench.models import load_pair, resolve_device, use_threads  # noqa: E402
 from bench.plots import save_learning_curve  # noqa: E402
 from bench.results import provenance, write_json_atomic  # noqa: E402
-from bench.validate import validate  # noqa: E402
+from bench.validate import validate_run  # noqa: E402
 from core.errors import BenchError  # noqa: E402
 from methods.registry import get_method  # noqa: E402
 from training.distill import draft_report  # noqa: E402
@@ -42,8 +42,9 @@ from training.distill import draft_report  # noqa: E402
 def point(overrides: list[str], tokens: int, methods: list[str]) -> tuple[dict, object]:
     """Train (or read back) the draft and the heads under ``recipe.tokens=tokens``; their held-out figures and
     the config they were trained under."""
-    cfg = validate(compose([*overrides, f"recipe.tokens={tokens}"]))
-    pair = load_pair(cfg, n_drafts=1)  # distils the draft first when it is missing
+    cfg, checked = validate_run(compose([*overrides, f"recipe.tokens={tokens}"]))
+    use_threads(cfg)
+    pair = load_pair(cfg, 1, checked)  # distils the draft first when it is missing
     specs = [s for s in cfg.pair.get("drafts") or [] if s.source == "distilled"]
     row = {"tokens": tokens, "recipe": cfg.recipe.name}
     if specs:

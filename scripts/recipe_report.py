@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import summary  # noqa: E402
 from bench.cli import compose  # noqa: E402
-from bench.models import load_pair, resolve_device  # noqa: E402
+from bench.models import load_pair, resolve_device, use_threads  # noqa: E402
 from bench.results import provenance, write_json_atomic  # noqa: E402
 from bench.validate import validate  # noqa: E402
 from core import files  # noqa: E402
@@ -129,6 +129,7 @@ def main(argv: list[str]) -> int:
     args, overrides = ap.parse_known_args(argv)
     try:
         cfg = validate(compose([*overrides, "train_if_missing=false"]))
+        use_threads(cfg)
         reports = trained_reports(cfg)
         decoding = sweep_summary(args.sweep) if args.sweep else {}
     except BenchError as err:

@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.cli import compose  # noqa: E402
-from bench.models import load_pair  # noqa: E402
+from bench.models import load_pair, use_threads  # noqa: E402
 from bench.runner import clocked  # noqa: E402
-from bench.validate import validate  # noqa: E402
+from bench.validate import validate_run  # noqa: E402
 from core.corpus import corpus, instruction_prompts  # noqa: E402
 from training.labelling import target_answers, teacher_pass, token_chunks  # noqa: E402
 
@@ -49,8 +49,9 @@ def main(argv: list[str]) -> dict:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--seqs", type=int, default=16)
     args, overrides = p.parse_known_args(argv)
-    cfg = validate(compose([*overrides, "packed_linear=false", "train_if_missing=false"]))
-    pair = load_pair(cfg, n_drafts=0)
+    cfg, checked = validate_run(compose([*overrides, "packed_linear=false", "train_if_missing=false"]))
+    use_threads(cfg)
+    pair = load_pair(cfg, 0, checked)
     prompts = instruction_prompts(args.prompts, int(cfg.recipe.store.seed))
     one, many = (answer_rate(pair, prompts, b, args.new_tokens) for b in (1, args.batch))
     seq_len = int(cfg.recipe.store.seq_len)

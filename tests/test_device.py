@@ -39,9 +39,9 @@ def test_the_probe_catches_a_tensor_on_the_implicit_device(tiny_pair, prompt):
 
     class Careless(PLD):
         def propose(self, state):
-            draft = super().propose(state)
-            torch.tensor(draft.tree.tokens).to(state.device)  # the implicit device: meta here, the CPU beside CUDA
-            return draft
+            proposal = super().propose(state)
+            torch.tensor(proposal.tree.tokens).to(state.device)  # the implicit device: meta here, the CPU beside CUDA
+            return proposal
 
     method = Careless(get_method("pld").settings({}), tiny_pair)
     method.setup()

@@ -29,9 +29,9 @@ from core.errors import BenchError
 from core.kv_cache import cache_of, lm_forward, output_with_cache
 from core.model_parts import copy_from
 from training.kit import (
+    answer_rows,
     budget,
     fit_and_measure,
-    fp32_eval,
     part_artifact,
     part_epochs,
     part_key,
@@ -39,6 +39,8 @@ from training.kit import (
     store_vocab,
     sub_index,
     trained_part,
+    training_start,
+    vocab_coverage,
 )
 from training.loop import TrainRecipe
 from training.store import tokenizer_key
@@ -165,14 +167,12 @@ def draft_judge(draft: DraftLM, data: dict):
 def train_draft(target, tokenizer, recipe: DistillRecipe, teacher: Teacher) -> tuple[DraftLM, dict]:
     """Distil a draft from the frozen target on the teacher store (packaged text and the target's own answers,
     interleaved at random); returns the draft and its training report (held-out agreement, by kind of text)."""
-    torch.manual_seed(recipe.seed)
-    target = fp32_eval(target)  # a float32 copy of a bf16 or fp16 run's target, the target itself otherwise
+    target, device = training_start(target, recipe.seed)  # trained where the target is (the run's device)
     train = store_data(teacher.store(target, tokenizer, "train"), ("ids", "idx", "prob", "mask", "answer"))
     held_store = teacher.store(target, tokenizer, "test")
     held = store_data(held_store, ("ids", "idx", "mask", "answer"))
     m = train["mask"]
     vocab_map = store_vocab(tokenizer, train, recipe.vocab, target.config.vocab_size)
-    device = next(target.parameters()).device  # trained where the target is (the run's device)
     to_sub = sub_index(vocab_map, target.config.vocab_size)
     train["prob"] = train["prob"] * m.unsqueeze(-1)  # padding is no label
     # Answer positions weigh answer_weight, the rest 1 (the mean is over the weights, so only the ratio counts).
@@ -185,7 +185,7 @@ def train_draft(target, tokenizer, recipe: DistillRecipe, teacher: Teacher) -> t
         [draft], lambda b: distill_loss(draft, *(train[f][b].to(device) for f in ("ids", "idx", "prob")), on,
                                         train["weight"][b].to(device)),
         examples=len(train["ids"]), judge=lambda: draft_judge(draft, held), held=len(held["ids"]),
-        answer_rows=[i for i in range(len(held["ids"])) if held_store.kind(i) == "answers"],
+        answer_rows=answer_rows(held_store),
         epochs=part_epochs("draft", recipe, teacher), batch_size=recipe.batch_size, lr=recipe.lr,
         desc="draft: distilling")
     report.update(
@@ -193,7 +193,7 @@ def train_draft(target, tokenizer, recipe: DistillRecipe, teacher: Teacher) -> t
         train_tokens=int(m.sum()),
         heldout_tokens=int(held["mask"].sum()),
         vocab=int(vocab_map.numel()),
-        vocab_coverage=round(float((to_sub[held["idx"][..., 0][held["mask"]]] >= 0).float().mean()), 4),
+        vocab_coverage=vocab_coverage(to_sub, held),
     )
     return draft.cpu(), report
 

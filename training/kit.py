@@ -1,12 +1,14 @@
 """The trainer kit: what every trained part (the distilled draft, Medusa / Hydra / Amphista heads, EAGLE's and
 GliDe's drafts, SPACE's mask embeddings, the SPRINTER verifier) is trained, measured, reported and cached with.
 
-A trainer is: seed, the frozen target in fp32 (:func:`fp32_eval`), its stores (:func:`feature_stores`,
-:func:`store_data`; :func:`check_store_keeps_hidden` before any model loads), a reduced drafting vocabulary
-(:func:`store_vocab`, :func:`pick_vocab`, :func:`sub_index`), then :func:`fit_and_measure`: held-out
-:func:`agreement` before, :func:`training.loop.fit` for the part's own epochs (:func:`part_epochs`), agreement after,
-one report shape. Its result is one cached artifact (:func:`part_artifact`, keyed with :func:`part_key` and
-:func:`budget`). On a synthetic pair nothing is trained: :func:`untrained_if_synthetic` gives the part untrained."""
+A trainer is: :func:`training_start` (the recipe's seed, then the frozen target in fp32 and its device), its stores
+(:func:`feature_stores`, :func:`store_data`; :func:`check_store_keeps_hidden` before any model loads), a reduced
+drafting vocabulary (:func:`store_vocab`, :func:`pick_vocab`, :func:`sub_index`; :func:`vocab_coverage` reports
+it), then :func:`fit_and_measure`: held-out :func:`agreement` before (over every held-out row, and over
+:func:`answer_rows`, the target's own answers), :func:`training.loop.fit` for the part's own epochs
+(:func:`part_epochs`), agreement after, one report shape. Its result is one cached artifact (:func:`part_artifact`,
+keyed with :func:`part_key` and :func:`budget`), which a method reads with :func:`load_or_train`. On a synthetic
+pair nothing is trained: :func:`untrained_if_synthetic` gives the part untrained."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from core.artifacts import Artifact, model_fingerprint, recipe_key
+from core.artifacts import Artifact, load_or_build, model_fingerprint, recipe_key, report_of
 from core.errors import BenchError
 from core.metrics import ratio
 from training.loop import TrainRecipe, fit
@@ -62,6 +64,35 @@ def fp32_eval(target):
     if next(target.parameters()).dtype != torch.float32:
         target = copy.deepcopy(target).float()
     return target.eval()
+
+
+def training_start(target, seed: int) -> tuple[torch.nn.Module, torch.device]:
+    """The first lines of every trainer: ``(target, device)``, the frozen target in fp32 (:func:`fp32_eval`: a copy
+    only when it is not fp32 already) and the device its weights are on, where the part trains.
+
+    The global RNG is seeded with ``seed`` (the part's ``recipe.seed``) first, before anything else of the trainer
+    draws (the part's initialisation, the batches' order, noise, cut points): a part retrained from the same store
+    and recipe is the same part, and its cache key (which holds the seed) says which one it is."""
+    torch.manual_seed(seed)
+    target = fp32_eval(target)
+    return target, next(target.parameters()).device
+
+
+def answer_rows(store) -> list[int]:
+    """The rows of a teacher store (a trainer's held-out split) that hold the target's own answers rather than
+    packaged text, in order: :func:`agreement`'s ``answer_rows``, the text greedy decoding actually drafts in."""
+    return [i for i in range(len(store)) if store.kind(i) == "answers"]
+
+
+def vocab_coverage(to_sub: torch.Tensor, labels: dict[str, torch.Tensor]) -> float:
+    """The share of labelled positions whose target top-1 token is in the reduced drafting vocabulary, rounded to 4
+    places: what bounds the part's agreement, since it never proposes a token outside that vocabulary (NaN when
+    nothing is labelled).
+
+    ``to_sub``: ``LongTensor (vocab_size,)`` from :func:`sub_index`, on any device; ``labels``: a store's ``idx``
+    ``LongTensor (N, T, k)`` and ``mask`` ``BoolTensor (N, T)``, on the host (as :func:`store_data` reads them)."""
+    top1 = labels["idx"][..., 0][labels["mask"]]
+    return round(float((to_sub.cpu()[top1] >= 0).float().mean()), 4)
 
 
 def check_store_keeps_hidden(method: str, recipe) -> None:
@@ -160,6 +191,15 @@ def part_artifact(kind: str, name: str, key: dict, train: Callable[[], tuple], s
         return load(torch.load(folder / file, map_location="cpu", weights_only=True))
 
     return Artifact(kind, name, key, build, read, trained_by=trained_by, same=same, description=description)
+
+
+def load_or_train(art: Artifact, cache: Path, train_if_missing: bool = True) -> tuple[object, dict]:
+    """``(part, report)``: the trained part of the cached artifact ``art`` (:func:`part_artifact`,
+    :func:`module_artifact`) under ``cache`` (the run's cache folder), trained first when it is missing or broken and
+    ``train_if_missing`` (else one sentence naming what trains it: :func:`core.artifacts.load_or_build`), and the
+    report its training left in the artifact's manifest: a part loaded from the cache reports what was measured
+    when it was trained. The part is as ``art``'s ``load`` rebuilds it (on the host, in fp32)."""
+    return load_or_build(art, cache, train_if_missing), report_of(art, cache)
 
 
 def module_artifact(kind: str, target, key: dict, train, new, trained_by: str, description: str) -> Artifact:

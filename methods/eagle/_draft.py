@@ -32,27 +32,23 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from core.artifacts import (
-    Artifact,
-    jsonable,
-    load_or_build,
-    report_of,
-)
+from core.artifacts import Artifact, jsonable
 from core.counting import Counted
 from core.kv_cache import lm_forward
 from core.model_parts import body_config, copy_last_layers
 from training.adversarial import Adversary, AdversaryRecipe
 from training.kit import (
+    answer_rows,
     budget,
     feature_stores,
     fit_and_measure,
-    fp32_eval,
     module_artifact,
     part_epochs,
     part_key,
     store_data,
     store_vocab,
     trained_part,
+    training_start,
     untrained_vocab,
 )
 from training.loop import TrainRecipe
@@ -190,9 +186,7 @@ def train_eagle(target, tokenizer, recipe: EagleRecipe, teacher: Teacher) -> tup
     """Train EAGLE's draft layer from the teacher store's features of the frozen target; returns it (on the
     CPU, fp32) and a report (held-out depth-1 agreement before and after, on all text and on the target's own
     answers)."""
-    torch.manual_seed(recipe.seed)
-    target = fp32_eval(target)
-    device = next(target.parameters()).device
+    target, device = training_start(target, recipe.seed)
     train, held = feature_stores(target, tokenizer, teacher, "EAGLE reads")
     cols = store_data(train, ("ids", "idx", "mask"))
     vocab_map = store_vocab(tokenizer, cols, recipe.vocab, target.config.vocab_size)
@@ -210,7 +204,7 @@ def train_eagle(target, tokenizer, recipe: EagleRecipe, teacher: Teacher) -> tup
     what = "the draft layer" if layers == 1 else f"the draft's {layers} layers"
     report = fit_and_measure(
         [draft], step, examples=len(train), judge=lambda: eagle_judge(draft, held, embed, device), held=len(held),
-        answer_rows=[i for i in range(len(held)) if held.kind(i) == "answers"],
+        answer_rows=answer_rows(held),
         epochs=part_epochs("eagle", recipe, teacher), batch_size=recipe.batch_size, lr=recipe.lr,
         desc=f"eagle: training {what}" + (" against a discriminator" if adversary is not None else ""))
     report.update(
@@ -240,11 +234,3 @@ def eagle_artifact(target, tokenizer, recipe: EagleRecipe, teacher: Teacher, met
 def untrained_eagle(target_config, recipe: EagleRecipe) -> EagleDraft:
     """The draft :func:`train_eagle` would train, untrained: a synthetic pair's (:func:`training.kit.untrained_if_synthetic`)."""
     return EagleDraft(target_config, untrained_vocab(recipe.vocab, target_config.vocab_size), recipe.layers).eval()
-
-
-def load_or_train_eagle(target, tokenizer, recipe: EagleRecipe, teacher: Teacher, train_if_missing: bool = True,
-                        method: str = "eagle") -> tuple[EagleDraft, dict]:
-    """The cached EAGLE draft for (target, recipe, teacher.recipe), trained first when missing and
-    ``train_if_missing``; returns it (CPU, fp32) and its training report."""
-    art = eagle_artifact(target, tokenizer, recipe, teacher, method)
-    return load_or_build(art, teacher.cache, train_if_missing), report_of(art, teacher.cache)

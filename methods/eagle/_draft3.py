@@ -56,21 +56,22 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
-from core.artifacts import Artifact, load_or_build, model_fingerprint, report_of
+from core.artifacts import Artifact, model_fingerprint
 from core.counting import Counted
 from core.kv_cache import lm_forward
 from core.model_parts import decoder_layers
 from training.kit import (
+    answer_rows,
     budget,
     feature_stores,
     fit_and_measure,
-    fp32_eval,
     part_artifact,
     part_epochs,
     part_key,
     store_data,
     store_vocab,
     trained_part,
+    training_start,
     untrained_vocab,
 )
 from training.loop import TrainRecipe
@@ -425,9 +426,7 @@ def train_eagle3(target, tokenizer, recipe: Eagle3Recipe, teacher: Teacher) -> t
     """Train EAGLE-3's draft from the teacher store (the target teacher-forced again over its ids for the three
     layers' features); returns it (on the CPU, fp32) and a report (held-out agreement per unrolled step, before
     and after)."""
-    torch.manual_seed(recipe.seed)
-    target = fp32_eval(target)
-    device = next(target.parameters()).device
+    target, device = training_start(target, recipe.seed)
     train, held = feature_stores(target, tokenizer, teacher, "EAGLE-3 reads")
     cols = store_data(train, ("ids", "idx", "mask"))
     vocab_map = store_vocab(tokenizer, cols, recipe.vocab, target.config.vocab_size)
@@ -448,7 +447,7 @@ def train_eagle3(target, tokenizer, recipe: Eagle3Recipe, teacher: Teacher) -> t
     report = fit_and_measure(
         [draft], step, examples=len(train), held=len(held),
         judge=lambda: eagle3_judge(draft, held, held_fused, embed, recipe.ttt_steps, device),
-        answer_rows=[i for i in range(len(held)) if held.kind(i) == "answers"],
+        answer_rows=answer_rows(held),
         epochs=part_epochs("eagle3", recipe, teacher), batch_size=recipe.batch_size, lr=recipe.lr,
         desc=f"eagle3: training the draft ({recipe.ttt_steps} steps unrolled)")
     report.update(feature_layers=list(layers), recipe=teacher.recipe.name, train_tokens=int(cols["mask"].sum()),
@@ -485,11 +484,3 @@ def eagle3_artifact(target, tokenizer, recipe: Eagle3Recipe, teacher: Teacher) -
 def untrained_eagle3(target_config, recipe: Eagle3Recipe) -> Eagle3Draft:
     """The draft :func:`train_eagle3` would train, untrained: a synthetic pair's (:func:`training.kit.untrained_if_synthetic`)."""
     return Eagle3Draft(target_config, untrained_vocab(recipe.vocab, target_config.vocab_size)).eval()
-
-
-def load_or_train_eagle3(target, tokenizer, recipe: Eagle3Recipe, teacher: Teacher,
-                         train_if_missing: bool = True) -> tuple[Eagle3Draft, dict]:
-    """The cached EAGLE-3 draft for (target, recipe, teacher.recipe), trained first when missing and
-    ``train_if_missing``; returns it (CPU, fp32) and its training report."""
-    art = eagle3_artifact(target, tokenizer, recipe, teacher)
-    return load_or_build(art, teacher.cache, train_if_missing), report_of(art, teacher.cache)

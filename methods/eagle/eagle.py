@@ -32,11 +32,11 @@ from core.errors import BenchError
 from decoding.cache import truncate_cache
 from decoding.sampling import draft_token
 from decoding.tree import Tree, additive_mask
-from methods.eagle._draft import CountedEagle, EagleRecipe, load_or_train_eagle, untrained_eagle
+from methods.eagle._draft import CountedEagle, EagleRecipe, eagle_artifact, untrained_eagle
 from methods.eagle._published import load_published_eagle
-from methods.base import Draft, DraftVerify, MethodSettings, PromptState
+from methods.base import DraftVerify, MethodSettings, PromptState, Proposal
 from methods.registry import register
-from training.kit import check_store_keeps_hidden, untrained_if_synthetic
+from training.kit import check_store_keeps_hidden, load_or_train, untrained_if_synthetic
 
 # EAGLE-1's published static tree (its authors' ``choices.py``, named mc_sim_7b_63 there like Medusa's other
 # tree): 25 rank paths + the root, depth 5.
@@ -110,8 +110,8 @@ class Eagle(DraftVerify):
         else:
             draft, self.report = untrained_if_synthetic(
                 self.pair, lambda: untrained_eagle(target.config, self.cfg.recipe),
-                lambda: load_or_train_eagle(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher,
-                                            train_if_missing, self.name))
+                lambda: load_or_train(eagle_artifact(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher,
+                                                     self.name), self.pair.teacher.cache, train_if_missing))
         self.draft = self.pair.add(CountedEagle(draft.to(device=self.pair.device, dtype=self.pair.dtype)))
         # The authors' layer carries its own copy of the token embedding; the harness's reads the target's.
         own = self.draft.module.embed
@@ -147,22 +147,22 @@ class Eagle(DraftVerify):
         state.todo, state.read = state.todo[:0], len(state.seq) - 1  # the cache's true entries; guesses follow them
         return out[0, -1], logits[0, -1]
 
-    def propose(self, state: State) -> Draft:
+    def propose(self, state: State) -> Proposal:
         deepest = {"chain": self.cfg.gamma, "tree": self.cfg.depth, "static": self.static.max_depth}[self.cfg.draft]
         depth = min(deepest, state.draft_budget)
         if depth <= 0:
-            return Draft(Tree(state.seq[-1]))
+            return Proposal(Tree(state.seq[-1]))
         feat, logits = self.read_committed(state)
         if self.cfg.draft == "chain":
-            draft = self.chain(state, feat, logits, depth)
+            proposal = self.chain(state, feat, logits, depth)
         elif self.cfg.draft == "static":
-            draft = self.fill_static(state, feat, logits, depth)
+            proposal = self.fill_static(state, feat, logits, depth)
         else:
-            draft = self.tree(state, feat, logits, depth)
-        state.nodes.append(len(draft.tree))
-        return draft
+            proposal = self.tree(state, feat, logits, depth)
+        state.nodes.append(len(proposal.tree))
+        return proposal
 
-    def accepted(self, state: State, draft: Draft, path: list[int], hidden: torch.Tensor) -> None:
+    def accepted(self, state: State, proposal: Proposal, path: list[int], hidden: torch.Tensor) -> None:
         if not state.done:  # the true features of the root and the accepted nodes: read at the next step
             state.todo = torch.cat([state.todo, hidden])
 
@@ -172,7 +172,7 @@ class Eagle(DraftVerify):
 
     # ------------------------------------------------------------------------------------------- drafting
 
-    def chain(self, state: State, feat: torch.Tensor, logits: torch.Tensor, k: int) -> Draft:
+    def chain(self, state: State, feat: torch.Tensor, logits: torch.Tensor, k: int) -> Proposal:
         """``k`` tokens, one draft forward each after the first: greedy, or sampled from the draft's
         distribution (``q`` then holds it over the full vocabulary, zero outside the draft's)."""
         tokens, qs = [], []
@@ -184,7 +184,7 @@ class Eagle(DraftVerify):
             if i + 1 < k:  # the draft reads its own guess and its token: a plain causal step
                 out, logits = self.draft(feat[None, None], self.embed(tokens[-1])[None, None], state.dcache, rows=1)
                 feat, logits = out[0, -1], logits[0, -1]
-        return Draft.chain(state.seq[-1], torch.stack(tokens), torch.stack(qs) if qs else None)
+        return Proposal.chain(state.seq[-1], torch.stack(tokens), torch.stack(qs) if qs else None)
 
     def expand(self, state: State, tree: Tree, nodes: list[int], guessed: dict, fed: list[int]) -> torch.Tensor:
         """One draft forward over tree ``nodes`` (each reads its parent's guessed feature and its own token, under
@@ -201,7 +201,7 @@ class Eagle(DraftVerify):
         guessed.update(zip(nodes, out[0]))
         return logits[0]
 
-    def fill_static(self, state: State, feat: torch.Tensor, logits: torch.Tensor, depth: int) -> Draft:
+    def fill_static(self, state: State, feat: torch.Tensor, logits: torch.Tensor, depth: int) -> Proposal:
         """EAGLE-1's static tree (``static_tree``'s rank paths, ``depth`` deep at most) filled depth by depth, one
         draft forward per depth over the nodes that have children (node [r1 .. rd] holds the r_d-th best draft
         token after [r1 .. r_{d-1}])."""
@@ -218,9 +218,9 @@ class Eagle(DraftVerify):
             for p in paths:
                 parent = node_of[p[:-1]]
                 node_of[p] = tree.add_child(parent, top[parent][p[-1]], merge=False)
-        return Draft(tree)
+        return Proposal(tree)
 
-    def tree(self, state: State, feat: torch.Tensor, logits: torch.Tensor, depth: int) -> Draft:
+    def tree(self, state: State, feat: torch.Tensor, logits: torch.Tensor, depth: int) -> Proposal:
         """EAGLE-2's expand-and-rerank, ``depth`` levels deep at most (see the module doc)."""
         k = min(self.cfg.top_k, logits.shape[-1])
         tree = Tree(state.seq[-1])
@@ -238,7 +238,7 @@ class Eagle(DraftVerify):
         out_tree, new = Tree(state.seq[-1]), {0: 0}
         for v in sorted(best):
             new[v] = out_tree.add_child(new[tree.parent[v]], tree.tokens[v], merge=False)
-        return Draft(out_tree)
+        return Proposal(out_tree)
 
     def grow(self, tree: Tree, score: list[float], parents: list[int], logp: torch.Tensor, k: int) -> list[int]:
         """Add the ``k`` most likely children of each of ``parents`` (``logp (P, V')``); returns the new nodes."""

@@ -27,15 +27,15 @@ from methods.eagle._draft3 import (
     CountedEagle3,
     Eagle3Recipe,
     LayerTaps,
+    eagle3_artifact,
     feature_layers,
-    load_or_train_eagle3,
     untrained_eagle3,
 )
 from methods.eagle._published3 import load_published_eagle3
-from methods.base import Draft
+from methods.base import Proposal
 from methods.eagle.eagle import Eagle, EagleSettings
 from methods.registry import register
-from training.kit import untrained_if_synthetic
+from training.kit import load_or_train, untrained_if_synthetic
 
 
 class Eagle3Settings(EagleSettings):
@@ -69,8 +69,8 @@ class Eagle3(Eagle):
         else:
             draft, self.report = untrained_if_synthetic(
                 self.pair, lambda: untrained_eagle3(target.config, self.cfg.recipe),
-                lambda: load_or_train_eagle3(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher,
-                                             train_if_missing))
+                lambda: load_or_train(eagle3_artifact(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher),
+                                      self.pair.teacher.cache, train_if_missing))
         self.draft = self.pair.add(CountedEagle3(draft.to(device=self.pair.device, dtype=self.pair.dtype)))
         # A published draft narrower than its target carries its own token embedding; every other reads the target's.
         own = self.draft.module.embed_tokens
@@ -91,6 +91,6 @@ class Eagle3(Eagle):
         super().start(state)
         state.todo = state.taps.fused()[0]  # (prompt_len, 3H): the prefill's features
 
-    def accepted(self, state: State, draft: Draft, path: list[int], hidden: torch.Tensor | None) -> None:
+    def accepted(self, state: State, proposal: Proposal, path: list[int], hidden: torch.Tensor | None) -> None:
         if not state.done:  # the fused features of the root and the accepted nodes (the verify forward's rows)
             state.todo = torch.cat([state.todo, state.taps.fused()[0, path]])

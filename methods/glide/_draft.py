@@ -58,11 +58,7 @@ from pydantic import Field
 from torch import nn
 from torch.nn.functional import scaled_dot_product_attention
 
-from core.artifacts import (
-    Artifact,
-    load_or_build,
-    report_of,
-)
+from core.artifacts import Artifact
 from core.counting import Counted
 from core.errors import BenchError
 from core.kv_cache import cache_kwargs
@@ -70,9 +66,9 @@ from core.model_parts import body_config, copy_last_layers, decoder_layers
 from decoding.tree import additive_mask
 from training.kit import (
     agreement,
+    answer_rows,
     budget,
     fit_and_measure,
-    fp32_eval,
     module_artifact,
     part_epochs,
     part_key,
@@ -80,7 +76,9 @@ from training.kit import (
     store_vocab,
     sub_index,
     trained_part,
+    training_start,
     untrained_vocab,
+    vocab_coverage,
 )
 from training.kv_store import kv_layer
 from training.loop import TrainRecipe
@@ -313,9 +311,7 @@ def train_glide(target, tokenizer, recipe: GlideRecipe, teacher: Teacher) -> tup
     """Train GliDe's draft from the teacher store (the target's labels and its layer-L keys and values over the
     stored ids); returns it (CPU, fp32) and a report: held-out agreement of the first draft token with the
     target before and after (all text, the target's own answers) and of each draft position after."""
-    torch.manual_seed(recipe.seed)
-    target = fp32_eval(target)
-    device = next(target.parameters()).device
+    target, device = training_start(target, recipe.seed)
     layer = kv_layer(target.config, recipe.layer, "method.recipe.layer")
     train_kv = teacher.kv_store(target, tokenizer, "train", layer)
     held_kv = teacher.kv_store(target, tokenizer, "test", layer)
@@ -332,10 +328,9 @@ def train_glide(target, tokenizer, recipe: GlideRecipe, teacher: Teacher) -> tup
         phase = int(torch.randint(block, ()))  # every alignment of the blocks, one per batch
         return glide_loss(draft, batch, embed, to_sub, block, phase)
 
-    answers = [i for i in range(len(held)) if held.kind(i) == "answers"]
     report = fit_and_measure(
         [draft], step, examples=len(train), judge=lambda: glide_judge(draft, held, held_kv, embed, device=device),
-        held=len(held), answer_rows=answers, epochs=part_epochs("glide", recipe, teacher), batch_size=bs,
+        held=len(held), answer_rows=answer_rows(held), epochs=part_epochs("glide", recipe, teacher), batch_size=bs,
         lr=recipe.lr, desc="glide: training the draft")
     labels = store_data(held, ("idx", "mask"))
     report.update(
@@ -349,7 +344,7 @@ def train_glide(target, tokenizer, recipe: GlideRecipe, teacher: Teacher) -> tup
         train_tokens=int(cols["mask"].sum()),
         heldout_tokens=int(labels["mask"].sum()),
         vocab=int(vocab_map.numel()),
-        vocab_coverage=round(float((to_sub.cpu()[labels["idx"][..., 0][labels["mask"]]] >= 0).float().mean()), 4),
+        vocab_coverage=vocab_coverage(to_sub, labels),
     )
     return draft.cpu(), report
 
@@ -370,11 +365,3 @@ def glide_artifact(target, tokenizer, recipe: GlideRecipe, teacher: Teacher) -> 
 def untrained_glide(target_config, recipe: GlideRecipe) -> GlideDraft:
     """The draft :func:`train_glide` would train, untrained: a synthetic pair's (:func:`training.kit.untrained_if_synthetic`)."""
     return GlideDraft(target_config, untrained_vocab(recipe.vocab, target_config.vocab_size), recipe.layers).eval()
-
-
-def load_or_train_glide(target, tokenizer, recipe: GlideRecipe, teacher: Teacher,
-                        train_if_missing: bool = True) -> tuple[GlideDraft, dict]:
-    """The cached GliDe draft for (target, recipe, teacher.recipe), trained first when missing and
-    ``train_if_missing``; returns it (CPU, fp32) and its training report."""
-    art = glide_artifact(target, tokenizer, recipe, teacher)
-    return load_or_build(art, teacher.cache, train_if_missing), report_of(art, teacher.cache)

@@ -47,13 +47,13 @@ from methods.glide._draft import (
     GlideDraft,
     GlideRecipe,
     decode_visible,
-    load_or_train_glide,
+    glide_artifact,
     untrained_glide,
 )
 from methods.glide._published import load_published_glide, read_layers
-from methods.base import Draft, DraftVerify, MethodSettings, PromptState
+from methods.base import DraftVerify, MethodSettings, PromptState, Proposal
 from methods.registry import register
-from training.kit import untrained_if_synthetic
+from training.kit import load_or_train, untrained_if_synthetic
 from training.kv_store import kv_layer
 
 
@@ -141,8 +141,8 @@ class Glide(DraftVerify):
             layer = kv_layer(target.config, self.cfg.recipe.layer, "method.recipe.layer")
             draft, self.report = untrained_if_synthetic(
                 self.pair, lambda: untrained_glide(target.config, self.cfg.recipe),
-                lambda: load_or_train_glide(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher,
-                                            train_if_missing))
+                lambda: load_or_train(glide_artifact(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher),
+                                      self.pair.teacher.cache, train_if_missing))
             self.layers = [layer] * len(draft.cross)  # every block reads layer L
         self.draft = self.pair.add(CountedGlide(draft.to(device=self.pair.device, dtype=self.pair.dtype)))
         # The authors' draft embeds tokens with its own table; the harness's reads the target's embeddings.
@@ -184,18 +184,18 @@ class Glide(DraftVerify):
         emb = self.embed(torch.tensor([tokens], device=state.device))
         return self.draft(emb, positions, kvs, visible, state.dcache, rows=1)[0, -1]
 
-    def propose(self, state: State) -> Draft:
+    def propose(self, state: State) -> Proposal:
         k = min(self.cfg.gamma, state.draft_budget)
         state.past, state.chain_nodes = state.cache.get_seq_length(), [0]  # the pending token's position; its node
         if k <= 0:
-            return Draft(Tree(state.seq[-1]))
+            return Proposal(Tree(state.seq[-1]))
         # The committed tokens the draft has not read (after a fully accepted draft: its last), then the pending one.
         logits = self.read(state, state.seq[state.dcache.get_seq_length() :])
-        draft = self.cape(state, logits, k) if self.cfg.cape else self.chain(state, logits, k)
-        state.candidates.append(len(draft.tree) - 1)
-        return draft
+        proposal = self.cape(state, logits, k) if self.cfg.cape else self.chain(state, logits, k)
+        state.candidates.append(len(proposal.tree) - 1)
+        return proposal
 
-    def accepted(self, state: State, draft: Draft, path: list[int], hidden) -> None:
+    def accepted(self, state: State, proposal: Proposal, path: list[int], hidden) -> None:
         if self.published:
             # The authors' loop rolls its draft back to the pending token and has it read that token and the
             # accepted ones again, now against the target's cache of them (SpecInfer's way, their comment says).
@@ -215,7 +215,7 @@ class Glide(DraftVerify):
 
     # ------------------------------------------------------------------------------------------- drafting
 
-    def chain(self, state: State, logits: torch.Tensor, k: int) -> Draft:
+    def chain(self, state: State, logits: torch.Tensor, k: int) -> Proposal:
         """``k`` tokens, one draft forward each after the first: greedy, or sampled from the draft's distribution
         (``q`` then holds it over the full vocabulary, zero outside the draft's)."""
         tokens, qs = [], []
@@ -227,7 +227,7 @@ class Glide(DraftVerify):
             if i + 1 < k:
                 logits = self.read(state, tokens[-1:])
         state.chain_nodes = list(range(k + 1))  # a chain's nodes are its positions
-        return Draft.chain(state.seq[-1], tokens, torch.stack(qs) if qs else None)
+        return Proposal.chain(state.seq[-1], tokens, torch.stack(qs) if qs else None)
 
     def width(self, confidence: float) -> int:
         """CaPE's candidates at a position whose top-1 probability is ``confidence``, its top-1 included."""
@@ -235,7 +235,7 @@ class Glide(DraftVerify):
             return self.cfg.cape_bins[min(int(confidence * 10), 10)]
         return 1 + self.cfg.cape_k if confidence < self.cfg.cape_threshold else 1
 
-    def cape(self, state: State, logits: torch.Tensor, k: int) -> Draft:
+    def cape(self, state: State, logits: torch.Tensor, k: int) -> Proposal:
         """CaPE: the draft's top-1 chain of ``k`` tokens, and at each of its positions the draft's next-best tokens
         as siblings of that chain token, as many as :meth:`width` says for its confidence (deterministic candidates:
         q = None)."""
@@ -253,4 +253,4 @@ class Glide(DraftVerify):
             if i + 1 < k:
                 logits = self.read(state, ids[:1])
         state.expanded.append(expanded)
-        return Draft(tree)
+        return Proposal(tree)

@@ -10,23 +10,25 @@ import logging
 import torch
 from torch import nn
 
-from core.artifacts import Artifact, jsonable, load_or_build, model_fingerprint, report_of
+from core.artifacts import Artifact, jsonable, model_fingerprint
 from core.errors import BenchError
 from training.adversarial import Adversary, AdversaryRecipe
 from methods.heads._amphista import AmphistaHeads
 from methods.heads._heads import Heads, HeadsRecipe, PrefixLayer
 from training.kit import (
+    answer_rows,
     budget,
     feature_stores,
     fit_and_measure,
-    fp32_eval,
     part_artifact,
     part_epochs,
     part_key,
     store_data,
     store_vocab,
     sub_index,
+    training_start,
     untrained_vocab,
+    vocab_coverage,
 )
 from training.teacher import Teacher
 
@@ -108,9 +110,7 @@ def train_heads(target, tokenizer, kind: str, recipe: HeadsRecipe, teacher: Teac
     """Train K heads of ``kind`` (and the prefix layer, when the recipe asks for one) from the teacher store of
     the frozen target: its stored hidden states are the heads' input, its labels their targets. Returns them
     (on the CPU) and a report (figures per head)."""
-    torch.manual_seed(recipe.seed)
-    target = fp32_eval(target)
-    device = next(target.parameters()).device
+    target, device = training_start(target, recipe.seed)
     embed = target.get_input_embeddings()
     K = recipe.num_heads
     settings = teacher.recipe.store
@@ -141,7 +141,7 @@ def train_heads(target, tokenizer, kind: str, recipe: HeadsRecipe, teacher: Teac
     report = fit_and_measure(
         [heads] + ([prefix] if prefix is not None else []), step, examples=len(train),
         judge=lambda: heads_judge(heads, held, embed, prefix, device), held=len(held),
-        answer_rows=[i for i in range(len(held)) if held.kind(i) == "answers"],
+        answer_rows=answer_rows(held),
         epochs=part_epochs("heads", recipe, teacher), batch_size=recipe.batch_size, lr=recipe.lr,
         desc=f"{kind}: training {K} heads" + (" and the prefix layer" if prefix is not None else "")
         + (" against a discriminator" if adversary is not None else ""))
@@ -155,7 +155,7 @@ def train_heads(target, tokenizer, kind: str, recipe: HeadsRecipe, teacher: Teac
         train_tokens=int(cols["mask"].sum()),
         heldout_tokens=int(held_top1["mask"].sum()),
         vocab=int(vocab_map.numel()),
-        vocab_coverage=round(float((to_sub.cpu()[held_top1["idx"][..., 0][held_top1["mask"]]] >= 0).float().mean()), 4),
+        vocab_coverage=vocab_coverage(to_sub, held_top1),
     )
     return heads.cpu(), (prefix.cpu() if prefix is not None else None), report
 
@@ -202,16 +202,3 @@ def heads_artifact(target, tokenizer, kind: str, recipe: HeadsRecipe, teacher: T
     return part_artifact("heads", f"{kind}-{ident['name']}", key, train, save, load, "heads.pt",
                          trained_by=method or kind,
                          description=f"{kind} heads")
-
-
-def load_or_train_heads(target, tokenizer, kind: str, recipe: HeadsRecipe, teacher: Teacher,
-                        train_if_missing: bool = True, method: str | None = None) -> tuple[Heads, PrefixLayer | None, dict]:
-    """The cached heads for (target, kind, recipe, teacher.recipe), trained first when missing and
-    ``train_if_missing``.
-
-    Returns the heads, the prefix layer (``None`` unless ``recipe.prefix_layer``), both on the CPU in fp32,
-    and their training report.
-    """
-    art = heads_artifact(target, tokenizer, kind, recipe, teacher, method)
-    heads, prefix = load_or_build(art, teacher.cache, train_if_missing)
-    return heads, prefix, report_of(art, teacher.cache)

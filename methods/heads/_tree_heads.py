@@ -29,11 +29,11 @@ from transformers import DynamicCache
 from core.errors import BenchError
 from decoding.sampling import Sampling, probs_from_logits, sample
 from decoding.tree import Tree
-from methods.base import Draft, DraftVerify, MethodSettings, PromptState
+from methods.base import DraftVerify, MethodSettings, PromptState, Proposal
 from methods.heads._heads import KINDS, CountedHeads, CountedPrefix, HeadsRecipe
 from methods.heads._published import load_published_heads
-from methods.heads._train import load_or_train_heads, untrained_heads
-from training.kit import check_store_keeps_hidden, untrained_if_synthetic
+from methods.heads._train import heads_artifact, untrained_heads
+from training.kit import check_store_keeps_hidden, load_or_train, untrained_if_synthetic
 
 # Medusa's default sparse tree shape, as rank paths: 19 candidates + the root = 20 tokens scored per target
 # call, depth 4.
@@ -169,18 +169,14 @@ class TreeHeadsMethod(DraftVerify):
         else:
             (heads, prefix), self.report = untrained_if_synthetic(
                 self.pair, lambda: untrained_heads(target.config, self.kind, self.cfg.recipe),
-                lambda: self.trained_heads(train_if_missing))
+                lambda: load_or_train(heads_artifact(target, self.pair.tokenizer, self.kind, self.cfg.recipe,
+                                                     self.pair.teacher, self.name), self.pair.teacher.cache,
+                                      train_if_missing))
         if heads.num_heads < self.shape.max_depth or heads.blocks[0].linear.out_features != target.config.hidden_size:
             raise BenchError(f"the cached {self.kind} heads do not fit this target and tree; delete them to retrain.")
         self.add_roles(heads.to(device=self.pair.device, dtype=self.pair.dtype),
                        prefix.to(device=self.pair.device, dtype=self.pair.dtype) if prefix is not None else None)
         self.embed = target.get_input_embeddings()
-
-    def trained_heads(self, train_if_missing: bool) -> tuple[tuple, dict]:
-        """``((heads, prefix), report)``: the cached heads, trained first when missing and ``train_if_missing``."""
-        heads, prefix, report = load_or_train_heads(self.pair.target.module, self.pair.tokenizer, self.kind,
-                                                    self.cfg.recipe, self.pair.teacher, train_if_missing, method=self.name)
-        return (heads, prefix), report
 
     def add_roles(self, heads, prefix) -> None:
         """Register the trained parts as roles, so the harness counts their calls and FLOPs like any model's."""
@@ -237,22 +233,22 @@ class TreeHeadsMethod(DraftVerify):
         state.typical = self.cfg.typical and not state.sampling.greedy
         state.nodes = []
 
-    def propose(self, state: State) -> Draft:
+    def propose(self, state: State) -> Proposal:
         if state.unread is not None:
             state.input = self.heads_input(state.unread, state.seq[-len(state.unread):], state.memory)
             state.unread = None
         shape = self.shapes[min(state.draft_budget, self.shape.max_depth)]
         tree = self.fill(state.input, state.seq[-1], shape) if len(shape) > 1 else Tree(state.seq[-1])
         state.nodes.append(len(tree))
-        return Draft(tree)
+        return Proposal(tree)
 
-    def verify(self, state: State, draft: Draft, logits: torch.Tensor) -> tuple[list[int], int]:
+    def verify(self, state: State, proposal: Proposal, logits: torch.Tensor) -> tuple[list[int], int]:
         if state.typical:
-            return typical_path(draft.tree, logits, state.sampling, state.generator, self.cfg.posterior_threshold,
+            return typical_path(proposal.tree, logits, state.sampling, state.generator, self.cfg.posterior_threshold,
                                 self.cfg.posterior_alpha)
-        return super().verify(state, draft, logits)
+        return super().verify(state, proposal, logits)
 
-    def accepted(self, state: State, draft: Draft, path: list[int], hidden: torch.Tensor) -> None:
+    def accepted(self, state: State, proposal: Proposal, path: list[int], hidden: torch.Tensor) -> None:
         state.unread = hidden  # the heads' input for the next step, read when it proposes (never after the last)
 
     def extra(self, state: State) -> dict:

@@ -221,18 +221,46 @@ def test_answer_weight_weighs_positions_and_keys_only_when_set(distilled_cfg):
     assert folder(answer_weight=4.0) != folder(answer_weight=1.0)
 
 
-def test_load_pair_applies_threads(compose_cfg):
-    """threads= takes effect wherever a pair is loaded (run, train, the scripts), before any model work."""
+def test_threads_are_set_where_a_run_starts_not_by_loading(compose_cfg, tmp_path):
+    """threads= takes effect when a run starts (bench.runner.run; bench train and the scripts call use_threads the
+    same way), before any model work; loading a pair leaves torch's setting alone."""
     import torch
 
     from bench.models import load_pair
+    from bench.runner import run
 
     before = torch.get_num_threads()
+    other = 1 if before != 1 else 2
     try:
-        load_pair(compose_cfg("pair=tiny", "threads=1"))
-        assert torch.get_num_threads() == 1
+        load_pair(compose_cfg("pair=tiny", f"threads={other}"))
+        assert torch.get_num_threads() == before
+        run(compose_cfg("pair=tiny", "method=ar", f"threads={other}", "max_new_tokens=2", "dataset.n_prompts=1",
+                        "warmup=0"), tmp_path)
+        assert torch.get_num_threads() == other
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_run_checks_its_settings_once(compose_cfg, tmp_path, monkeypatch):
+    """The pair's and the recipe's settings are checked once per run (bench.validate), and loading takes the typed
+    settings it made; a config composed without validate (a test's, a script's own) is checked when it loads."""
+    from bench import models, validate
+    from bench.models import PairSettings, load_pair
+    from bench.runner import run
+    from training.recipes import RecipeSettings
+
+    seen = []
+
+    def counting(real):
+        return lambda cls, *args, **kwargs: seen.append(cls) or real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(validate, "check", counting(validate.check))
+    monkeypatch.setattr(models, "check", counting(models.check))
+    run(compose_cfg("pair=tiny", "method=sd", "max_new_tokens=2", "dataset.n_prompts=1", "warmup=0"), tmp_path)
+    assert seen.count(PairSettings) == 1 and seen.count(RecipeSettings) == 1
+    seen.clear()
+    load_pair(compose_cfg("pair=tiny"), 0)
+    assert seen.count(PairSettings) == 1 and seen.count(RecipeSettings) == 1
 
 
 def test_a_pair_too_large_for_the_device_is_one_sentence(compose_cfg, monkeypatch):

@@ -55,11 +55,11 @@ def test_the_window_fills_then_advances_one_column_per_step_and_feeds_the_pool(t
     seen = []
     real = type(method).side_scored
 
-    def spy(state, draft, logits):
+    def spy(state, proposal, logits):
         before = [list(level) for level in state.levels]
-        real(method, state, draft, logits)
+        real(method, state, proposal, logits)
         pool = {k: list(v) for k, v in state.pool.items()}
-        seen.append((before, state.levels, pool, draft.tree.tokens[0], logits.argmax(-1).tolist()))
+        seen.append((before, state.levels, pool, proposal.tree.tokens[0], logits.argmax(-1).tolist()))
 
     method.side_scored = spy
     ids = looping_prompt[:20]

@@ -38,10 +38,10 @@ def test_every_scored_node_recycles_its_top_k_into_its_tokens_row(tiny_pair, loo
     seen = []
     real_verify = type(method).verify
 
-    def spy(state, draft, logits):
+    def spy(state, proposal, logits):
         before = state.matrix.clone()
-        out = real_verify(method, state, draft, logits)
-        seen.append((before, state.matrix.clone(), list(draft.tree.tokens), logits.clone()))
+        out = real_verify(method, state, proposal, logits)
+        seen.append((before, state.matrix.clone(), list(proposal.tree.tokens), logits.clone()))
         return out
 
     method.verify = spy
@@ -94,7 +94,7 @@ def test_a_token_on_several_nodes_keeps_the_last_nodes_row(tiny_pair):
     from types import SimpleNamespace
 
     from decoding.sampling import Sampling
-    from methods.base import Draft
+    from methods.base import Proposal
 
     method = build(tiny_pair, "recycling", topk=2, tree=[[0], [1], [0, 0]])
     vocab = 64
@@ -103,7 +103,7 @@ def test_a_token_on_several_nodes_keeps_the_last_nodes_row(tiny_pair):
     for node, best in enumerate(([9, 3], [1, 2], [4, 6], [7, 8])):
         logits[node, best] = torch.tensor([2.0, 1.0])
     state = SimpleNamespace(matrix=torch.zeros(vocab, 2, dtype=torch.long), sampling=Sampling(), generator=None)
-    path, nxt = method.verify(state, Draft(tree), logits)
+    path, nxt = method.verify(state, Proposal(tree), logits)
     assert state.matrix[5].tolist() == [9, 3] and state.matrix[9].tolist() == [7, 8]
     assert path == [0, 1] and nxt == 1  # and the greedy verification as usual: 9 accepted, then the target's 1
 

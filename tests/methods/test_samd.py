@@ -45,9 +45,9 @@ def test_who_drafts_follows_the_authors_rule(tiny_pair, aux):
 
     def spy(state):
         seq = list(state.seq)
-        draft = real(method, state)
-        seen.append((seq, state.source, draft.tree.tokens[1:], state.draft_budget))
-        return draft
+        proposal = real(method, state)
+        seen.append((seq, state.source, proposal.tree.tokens[1:], state.draft_budget))
+        return proposal
 
     method.propose = spy
     ids = prompts_for(tiny_pair, 1)[0]

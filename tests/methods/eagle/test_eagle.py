@@ -102,9 +102,9 @@ def test_the_dynamic_tree_expands_and_reranks_by_cumulative_probability(tiny_pai
         return grow(self, t, score, parents, logp, k)
 
     def record_tree(self, state, feat, logits, depth):
-        draft = tree(self, state, feat, logits, depth)
-        kept.append(draft.tree)
-        return draft
+        proposal = tree(self, state, feat, logits, depth)
+        kept.append(proposal.tree)
+        return proposal
 
     monkeypatch.setattr(Eagle, "grow", record_grow)
     monkeypatch.setattr(Eagle, "tree", record_tree)

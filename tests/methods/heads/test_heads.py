@@ -25,6 +25,15 @@ def smoke(cache):
     return Teacher(RECIPES["smoke"], cache)
 
 
+def cached_heads(target, tok, kind, recipe, cache, train_if_missing=True):
+    """``((heads, prefix), report)`` of ``kind`` under the smoke recipe's teacher in ``cache``, as a method's setup
+    reads them (trained first when missing and ``train_if_missing``)."""
+    from methods.heads._train import heads_artifact
+    from training.kit import load_or_train
+
+    return load_or_train(heads_artifact(target, tok, kind, recipe, smoke(cache)), cache, train_if_missing)
+
+
 def method_cfg(name, **over):
     """The shipped settings of ``name`` with a tiny training recipe (and ``over`` on top), as keywords."""
     cfg = OmegaConf.merge(shipped_cfg(name), {"recipe": TINY_RECIPE}, over)
@@ -185,20 +194,20 @@ def test_bad_settings_raise_one_sentence(compose_cfg, over, words):
 
 
 def test_corrupt_heads_cache_is_retrained_or_one_sentence(tmp_path, tiny_pair):
-    from methods.heads._train import heads_artifact, load_or_train_heads
+    from methods.heads._train import heads_artifact
 
     recipe = OmegaConf.create(method_cfg("medusa")["recipe"])
     target, tok = tiny_pair.target.module, tiny_pair.tokenizer
     with pytest.raises(BenchError, match=r"no cached medusa heads at .*; run 'python -m bench train method method=medusa'"):
-        load_or_train_heads(target, tok, "medusa", recipe, smoke(tmp_path), train_if_missing=False)
-    heads, _, report = load_or_train_heads(target, tok, "medusa", recipe, smoke(tmp_path))
+        cached_heads(target, tok, "medusa", recipe, tmp_path, train_if_missing=False)
+    (heads, _), report = cached_heads(target, tok, "medusa", recipe, tmp_path)
     assert len(report["agreement_after"]) == heads.num_heads  # the training report comes with the cached heads
     path = heads_artifact(target, tok, "medusa", recipe, smoke(tmp_path)).folder(tmp_path) / "heads.pt"
     size = path.stat().st_size
     path.write_bytes(b"not a checkpoint")
     with pytest.raises(BenchError, match=r"medusa heads at .* cannot be used \(heads.pt has 16 bytes.*python -m bench"):
-        load_or_train_heads(target, tok, "medusa", recipe, smoke(tmp_path), train_if_missing=False)
-    again, _, _ = load_or_train_heads(target, tok, "medusa", recipe, smoke(tmp_path))  # building allowed: retrained
+        cached_heads(target, tok, "medusa", recipe, tmp_path, train_if_missing=False)
+    (again, _), _ = cached_heads(target, tok, "medusa", recipe, tmp_path)  # building allowed: retrained
     assert path.stat().st_size == size and again.num_heads == heads.num_heads
 
 
@@ -219,7 +228,7 @@ def test_heads_cache_without_the_recipes_prefix_layer_is_retrained_or_one_senten
     """A heads file that lacks (or carries a broken) prefix layer the recipe asks for: one sentence naming the
     folder, no traceback; retrained when building is allowed."""
     from methods.heads._heads import Heads, PrefixLayer
-    from methods.heads._train import heads_artifact, load_or_train_heads
+    from methods.heads._train import heads_artifact
 
     target, tok = tiny_pair.target.module, tiny_pair.tokenizer
     recipe = OmegaConf.create(method_cfg("hydra_pp")["recipe"])
@@ -229,19 +238,19 @@ def test_heads_cache_without_the_recipes_prefix_layer_is_retrained_or_one_senten
     write_foreign_heads(folder, blob)
     with pytest.raises(BenchError, match=r"hydra heads at .* cannot be loaded \(ValueError: it lacks a prefix layer, "
                                          r"unlike method.recipe.prefix_layer\); run 'python -m bench train method"):
-        load_or_train_heads(target, tok, "hydra", recipe, smoke(tmp_path), train_if_missing=False)
+        cached_heads(target, tok, "hydra", recipe, tmp_path, train_if_missing=False)
     state = PrefixLayer.from_target(target).state_dict()
     state["gamma"] = torch.zeros(65)  # saved for another target
     write_foreign_heads(folder, {**blob, "prefix": state})
     with pytest.raises(BenchError, match=r"cannot be loaded \(RuntimeError"):
-        load_or_train_heads(target, tok, "hydra", recipe, smoke(tmp_path), train_if_missing=False)
-    _, prefix, _ = load_or_train_heads(target, tok, "hydra", recipe, smoke(tmp_path))  # building allowed: retrained
+        cached_heads(target, tok, "hydra", recipe, tmp_path, train_if_missing=False)
+    (_, prefix), _ = cached_heads(target, tok, "hydra", recipe, tmp_path)  # building allowed: retrained
     assert prefix is not None
     no_prefix = OmegaConf.merge(recipe, {"prefix_layer": False})
     write_foreign_heads(heads_artifact(target, tok, "hydra", no_prefix, smoke(tmp_path)).folder(tmp_path),
                         {**blob, "prefix": PrefixLayer.from_target(target).state_dict()})
     with pytest.raises(BenchError, match="it has a prefix layer"):  # a prefix layer where the recipe has none
-        load_or_train_heads(target, tok, "hydra", no_prefix, smoke(tmp_path), train_if_missing=False)
+        cached_heads(target, tok, "hydra", no_prefix, tmp_path, train_if_missing=False)
 
 
 def test_typical_acceptance_breaks_ties_by_likelihood():
