@@ -6,14 +6,17 @@ of what matters most, each skipped with a note once the time budget is spent:
 
 1. the machine: versions, the GPU, the keyword the cache goes under (core.kv_cache);
 2. the cache guard and ``ar`` against cache-free greedy decoding, on the tiny pair in fp32, bf16 and fp16;
-3. eager ``ar`` against the optimised plain-decoding reference (bench/reference.py: transformers' ``generate`` on a
+3. the GPU test walk (tests/test_gpu.py: every method on the tiny pairs in fp32 and bf16, parts trained on the device,
+   the published layouts), at most ``--walk-seconds``: correctness before speed;
+4. eager ``ar`` against the optimised plain-decoding reference (bench/reference.py: transformers' ``generate`` on a
    static cache with ``torch.compile``, ``ar_compiled``; ``ar_static``, uncompiled, in the CPU dry run) on the
    synthetic pair of ``--shape`` in ``--dtype``, same prompts: its speedup over ``ar`` and whether its tokens are ar's;
-4. the methods of ``--methods`` (:data:`SYNTHETIC_METHODS`) on a synthetic pair of ``--shape`` (default
+5. the methods of ``--methods`` (:data:`SYNTHETIC_METHODS`) on a synthetic pair of ``--shape`` (default
    Llama-3.1-8B with Llama-3.2-1B as draft; trained parts untrained) in bf16, at two acceptance rates, each against ``ar`` on the same prompts (``reference=none``: compiling
-   the reference in each of these runs would spend the budget);
-5. the GPU test walk (tests/test_gpu.py: every method on the tiny pairs in fp32 and bf16, parts trained on the
-   device, the published layouts), for what time is left.
+   the reference in each of these runs would spend the budget), for what time is left;
+6. on CUDA, for what time is left: what GQA's key/value copy costs a verification there and what ``sdpa_gqa``
+   saves (``scripts/gqa_cost.py``, bf16, 1k and 4k cached tokens, 4 layers: ``OUT/gqa.csv``), which decides whether
+   ``core.gqa_attention`` is switched on for CUDA too.
 
 ``--device cpu --shape tiny`` is the dry run CI takes (tests/test_gpu_check.py). Writes ``OUT/summary.md``,
 ``OUT/synthetic.csv``, ``OUT/synthetic.png``, ``OUT/check.json`` and the walk's ``OUT/walk.log``.
@@ -33,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# The methods step 4 times by default: every method runs on a synthetic pair (trained parts untrained), but the budget
+# The methods step 5 times by default: every method runs on a synthetic pair (trained parts untrained), but the budget
 # holds about twenty runs, so the draft-model and model-free methods and two trained ones (Medusa's heads, EAGLE's
 # draft layer); left out: those whose set-up runs the target over a corpus (swift's skip-set search, nest's datastore,
 # hierarchy's answers: minutes at 8B) and the other heads and draft-layer variants (--methods names any).
@@ -145,6 +148,23 @@ def reference_rows(out: Path, device: str, shape: str, dtype: str, prompts: int,
     return [{**r, "seconds": round(time.monotonic() - start, 1)} for r in rows]
 
 
+def gqa_cost(out: Path, device: str, budget: Budget) -> dict:
+    """scripts/gqa_cost.py on ``device`` (CUDA only: the CPU's figures are in docs/measuring.md) for what the budget
+    leaves, at most two minutes; its rows in ``out/gqa.csv``."""
+    if not device.startswith("cuda"):
+        return {"skipped": "CUDA only"}
+    if budget.left() < 45:
+        return {"skipped": "no time left"}
+    cmd = [sys.executable, "scripts/gqa_cost.py", "--device", device, "--dtypes", "bfloat16", "--contexts", "1024,4096",
+           "--layers", "4", "--csv", str(out / "gqa.csv")]
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(min(budget.left(), 120), 1))
+        return {"status": "passed" if done.returncode == 0 else f"exit {done.returncode}",
+                "table": done.stdout[-6000:], "error": done.stderr[-2000:] if done.returncode else ""}
+    except subprocess.TimeoutExpired:
+        return {"status": "timed out"}
+
+
 def leviathan(alpha: float, gamma: int, c: float) -> float:
     """Leviathan et al.'s expected speedup of a chain of ``gamma`` drafts at acceptance ``alpha``, cost ratio ``c``."""
     if alpha >= 1:
@@ -176,9 +196,9 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def walk(out: Path, device: str, quick: bool, budget: Budget) -> dict:
-    """tests/test_gpu.py on ``device`` (quick: the device placement and the harness end to end only), stopped when
-    the budget is spent; its log in ``out/walk.log``."""
+def walk(out: Path, device: str, quick: bool, budget: Budget, seconds: float) -> dict:
+    """tests/test_gpu.py on ``device`` (quick: the device placement and the harness end to end only), stopped after
+    ``seconds`` or when the budget is spent; its log in ``out/walk.log``."""
     if budget.left() < 30:
         return {"skipped": "no time left"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py", "-m", "gpu"]
@@ -186,7 +206,7 @@ def walk(out: Path, device: str, quick: bool, budget: Budget) -> dict:
         cmd += ["-k", "on_the_device_without_packed or harness_on_the_device"]
     env = {**os.environ, "BENCH_GPU_TEST_DEVICE": device}
     try:
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(budget.left(), 1))
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(min(budget.left(), seconds), 1))
         log, status = done.stdout + done.stderr, ("passed" if done.returncode == 0 else f"exit {done.returncode}")
     except subprocess.TimeoutExpired as err:
         log, status = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or ""), "timed out"
@@ -200,7 +220,8 @@ def markdown(check: dict) -> str:
 
     lines = [f"# Device check, {check['date']}", "", "```", json.dumps(check["machine"], indent=1), "```", "",
              "## Cache guard and `ar` against cache-free greedy (tiny pair)", "",
-             tabulate(check["guard"], headers="keys", tablefmt="github"), ""]
+             tabulate(check["guard"], headers="keys", tablefmt="github"), "",
+             "## GPU test walk", "", json.dumps(check["walk"]), ""]
     from bench.summary import mib
 
     ref_cols = ["label", "tokens_per_s", "speedup_median", "speedup_vs_ref", "matches_baseline", "tie_flips",
@@ -216,7 +237,9 @@ def markdown(check: dict) -> str:
                                                                            floatfmt=".3g"), ""]
     if check["skipped"]:
         lines += ["Skipped for time: " + ", ".join(check["skipped"]), ""]
-    lines += ["## GPU test walk", "", json.dumps(check["walk"]), ""]
+    gqa = check.get("gqa", {})
+    lines += ["## GQA's key/value copy in verification (scripts/gqa_cost.py)", "",
+              gqa.get("table") or json.dumps({k: v for k, v in gqa.items() if k != "table"}), ""]
     return "\n".join(lines)
 
 
@@ -231,9 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--methods", default=",".join(SYNTHETIC_METHODS))
     p.add_argument("--reference", choices=["auto", "compiled", "static", "none"], default="auto",
-                   help="step 3's reference; auto: compiled on CUDA, static (uncompiled) elsewhere")
+                   help="step 4's reference; auto: compiled on CUDA, static (uncompiled) elsewhere")
     p.add_argument("--walk", choices=["full", "quick", "none"], default="full")
-    p.add_argument("--budget", type=float, default=420.0, help="seconds for the whole check")
+    p.add_argument("--walk-seconds", type=float, default=180.0, help="the most step 3's test walk may take (an H200 "
+                   "took 120 s for all of it on 2026-11-27)")
+    p.add_argument("--budget", type=float, default=460.0, help="seconds for the whole check (under 8 minutes with the set-up)")
     args = p.parse_args(argv)
     budget = Budget(args.budget)
     out = Path(args.out)
@@ -241,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     cache = str(out / "cache")
     check = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(args.device), "skipped": []}
     check["guard"] = guard_rows(args.device, cache)
+    check["walk"] = (walk(out, args.device, args.walk == "quick", budget, args.walk_seconds) if args.walk != "none"
+                     else {"skipped": "--walk none"})
     rates = [float(r) for r in args.rates.split(",")]
     check["synthetic_pair"] = f"{args.shape} in {args.dtype}, {args.prompts} prompts x {args.tokens} tokens"
     mode = args.reference if args.reference != "auto" else ("compiled" if args.device.startswith("cuda") else "static")
@@ -248,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                                          budget, mode) if mode != "none" else [])
     check["synthetic"], check["skipped"] = synthetic_rows(out, args.device, args.shape, args.dtype, rates, args.prompts,
                                                           args.tokens, cache, budget, args.methods.split(","))
-    check["walk"] = walk(out, args.device, args.walk == "quick", budget) if args.walk != "none" else {"skipped": "--walk none"}
+    check["gqa"] = gqa_cost(out, args.device, budget)
     check["seconds"] = round(args.budget - budget.left(), 1)
     (out / "check.json").write_text(json.dumps(check, indent=1, default=str))
     import pandas as pd
@@ -260,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = any("error" in r or (r.get("ar_equals_cache_free") is False and not r.get("near_tie")) for r in check["guard"])
     # The reference must run, and its tokens may leave ar's only at near-ties (a rounding flip of the argmax).
     failed |= any("error" in r or (r.get("mismatches") or 0) > 0 for r in check["reference"])
+    failed |= check["walk"].get("status", "passed") not in ("passed", "timed out")  # a failing GPU test fails the check
     return 1 if failed or any("error" in r for r in check["synthetic"]) else 0
 
 

@@ -17,7 +17,7 @@ work=/tmp/gpu-check
 rc=0
 python3 scripts/gpu_check.py --out "$work" "$@" || rc=$?
 if [ -n "${OUT:-}" ]; then
-  for f in summary.md check.json synthetic.csv synthetic.png walk.log; do [ -f "$work/$f" ] && cp "$work/$f" "$OUT/"; done
+  for f in summary.md check.json synthetic.csv synthetic.png walk.log gqa.csv; do [ -f "$work/$f" ] && cp "$work/$f" "$OUT/"; done
   tar czf "$OUT/runs.tgz" --exclude=cache -C "$work" . || true
 fi
 exit $rc
