@@ -180,3 +180,15 @@ def test_gqa_cost_times_every_variant_and_writes_its_rows(tmp_path, cache_dir):
         for col in ("attn_repeat_kv_ms", "attn_sdpa_ms", "attn_grouped_ms", "attn_enable_gqa_ms", "attn_ar_row_ms",
                     "fwd_sdpa_ms", "fwd_sdpa_gqa_ms", "fwd_ar_ms"):
             assert float(row[col]) > 0, col
+
+
+def test_verify_cost_times_every_kernel_and_row_count(tmp_path, cache_dir):
+    """The verification cost curve: each kernel at each k, its ratio to the one-token forward (1 at k = 1)."""
+    import pandas as pd
+
+    script("verify_cost.py", "--rows", "1,2,4", "--repeats", "2", "--csv", str(tmp_path / "c.csv"), "pair=tiny",
+           cache_dir=cache_dir)
+    table = pd.read_csv(tmp_path / "c.csv")
+    assert table["k"].tolist() == [1, 2, 4]
+    for kernel in ("plain", "packed", "chosen"):
+        assert (table[f"{kernel}_ms"] > 0).all() and table[f"ratio_{kernel}"].iloc[0] == 1.0

@@ -1,0 +1,113 @@
+"""The verification cost curve: what a target forward of k tokens costs against a one-token step (issue 40).
+
+  python scripts/verify_cost.py [--rows 1,2,3,4,6,8,12,16,24,32] [--past 128] [--repeats 15] [--csv PATH]
+      [hydra overrides, e.g. pair=smollm2 (the default) dtype=float32]
+
+A speculative method gains what its accepted tokens save minus what its verification costs over ``ar``'s one-token
+step; on a CPU that cost is set by which matmul kernel a row count takes (``core/kernels.py``). For the run's target
+(loaded as a run loads it: ``bench.models.load_pair``), after a cache of ``--past`` tokens, a forward of k tokens
+(every row's logits kept, as a chain's verification keeps them) is timed under the harness clock (``core.clock``), k
+and the kernels interleaved in every round, the first round dropped, medians in ms, with each kernel the linears can
+take on the CPU in fp32:
+
+- ``plain``: ``F.linear`` for every row count (transformers' own modules);
+- ``packed``: the oneDNN-packed weights for every row count;
+- ``chosen``: what a run takes (``F.linear`` or packed for one row, as timed at load; packed from 2 rows).
+
+``ratio_*``: the forward's time over the same kernel's one-row forward; the memory roofline says it should stay
+near 1 while k is small (the same weights are read). Not here yet: the compiled forwards issue 40 adds (they need
+its static cache: a ``DynamicCache`` changes shape every step). Prints a table; ``--csv`` writes its rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.cli import compose  # noqa: E402
+from bench.models import load_pair, use_threads  # noqa: E402
+from bench.validate import validate_run  # noqa: E402
+from core.clock import clocked  # noqa: E402
+from core.kernels import PackedLinear  # noqa: E402
+from core.kv_cache import lm_forward  # noqa: E402
+from decoding.cache import truncate_cache  # noqa: E402
+
+NEVER = 1 << 30  # a PackedLinear's min_rows that no forward reaches: F.linear always
+
+
+def kernel_settings(model) -> dict[str, dict]:
+    """Each variant as the ``min_rows`` of every PackedLinear (by module): plain, packed, and the run's choice."""
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    chosen = {id(m): m.min_rows for m in linears}
+    return {"plain": {id(m): NEVER for m in linears}, "packed": {id(m): 1 for m in linears}, "chosen": chosen}
+
+
+def curve(model, device, rows: list[int], past: int, repeats: int) -> list[dict]:
+    """Median ms of a k-token forward after ``past`` cached tokens, per variant and k; ratios to k = 1."""
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    variants = kernel_settings(model) if linears else {"plain": {}}
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.arange(past + max(rows), device=device).remainder(vocab).unsqueeze(0)
+    cache = DynamicCache()
+    with torch.inference_mode():
+        lm_forward(model, ids[:, :past], cache)
+    times = {(v, k): [] for v in variants for k in rows}
+    for round_ in range(repeats + 1):
+        for v, setting in variants.items():
+            for lin in linears:
+                lin.min_rows = setting[id(lin)]
+            for k in rows:
+                _, seconds = clocked(device, lm_forward, model, ids[:, past:past + k], cache)
+                truncate_cache(cache, past)
+                if round_:  # the first round packs the weights and warms the caches
+                    times[(v, k)].append(seconds)
+    for lin in linears:  # as the run left them
+        lin.min_rows = variants["chosen"][id(lin)]
+    out = []
+    for k in rows:
+        row = {"k": k}
+        for v in variants:
+            ms = statistics.median(times[(v, k)]) * 1e3
+            row[f"{v}_ms"] = round(ms, 2)
+            row[f"ratio_{v}"] = round(ms / (statistics.median(times[(v, rows[0])]) * 1e3), 3)
+        out.append(row)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1,2,3,4,6,8,12,16,24,32", help="tokens k per forward, comma-separated (1 first)")
+    p.add_argument("--past", type=int, default=128, help="cached tokens before each forward")
+    p.add_argument("--repeats", type=int, default=15, help="timed rounds")
+    p.add_argument("--csv", type=Path, help="also write the rows here")
+    args, overrides = p.parse_known_args(argv)
+    rows = sorted({int(r) for r in args.rows.split(",")})
+    if rows[0] != 1:
+        p.error("--rows must include 1 (the ratios are to the one-token step)")
+    cfg, checked = validate_run(compose(["method=ar", "train_if_missing=false", *overrides]))
+    use_threads(cfg)
+    pair = load_pair(cfg, 0, checked)
+    model = pair.target.module
+    table = curve(model, pair.device, rows, args.past, args.repeats)
+    from tabulate import tabulate
+
+    print(f"{cfg.pair.name} on {pair.device} in {str(pair.dtype).removeprefix('torch.')}, {args.past} cached tokens, "
+          f"{torch.get_num_threads()} threads; one-row kernel at load: {pair.kernels.get('target')}")
+    print(tabulate(table, headers="keys", tablefmt="github"))
+    if args.csv:
+        import pandas as pd
+
+        pd.DataFrame(table).to_csv(args.csv, index=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
