@@ -121,7 +121,11 @@ def synthetic_rows(out: Path, device: str, shape: str, dtype: str, rates: list[f
                            f"dataset.n_prompts={prompts}", "warmup=1", "reference=none", f"cache_dir={cache}"])
             try:
                 summary = run(cfg, run_dir)
-                rows += [{**r, "acceptance_set": rate} for r in summary if r.get("label") == name or r["method"] == name]
+                # The run's own ar beside the method: a transient (the machine's, or what an earlier run left) shows
+                # in both, and the peak memory shows what else was resident.
+                ar = next((r["tokens_per_s"] for r in summary if r["method"] == "ar"), None)
+                rows += [{**r, "acceptance_set": rate, "ar_tokens_per_s": ar} for r in summary
+                         if r.get("label") == name or r["method"] == name]
             except Exception as err:  # noqa: BLE001
                 rows.append({"method": name, "acceptance_set": rate,
                              "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"})
@@ -230,9 +234,10 @@ def markdown(check: dict) -> str:
                 for r in check["reference"]]
     lines += [f"## Eager `ar` against the optimised plain decoding (`reference`): {check['synthetic_pair']}", "",
               tabulate(ref_rows, headers="keys", tablefmt="github", floatfmt=".4g"), ""]
-    cols = ["method", "acceptance_set", "speedup_median", "speedup_pooled", "mean_accepted", "alpha",
-            "tokens_per_s", "target_calls_per_token", "error"]
-    rows = [{c: r.get(c) for c in cols if c in r or c != "error"} for r in check["synthetic"]]
+    cols = ["method", "acceptance_set", "speedup_median", "speedup_pooled", "mean_accepted", "alpha", "cost_ratio_c",
+            "analytic_speedup", "tokens_per_s", "ar_tokens_per_s", "target_calls_per_token", "peak_mem_bytes", "error"]
+    rows = [{c.replace("_bytes", "_mib"): mib(r[c]) if c.endswith("_bytes") and c in r else r.get(c)
+             for c in cols if c in r or c != "error"} for r in check["synthetic"]]
     lines += [f"## Synthetic pair: {check['synthetic_pair']}", "", tabulate(rows, headers="keys", tablefmt="github",
                                                                            floatfmt=".3g"), ""]
     if check["skipped"]:
