@@ -556,12 +556,12 @@ def load_pair(cfg: DictConfig, n_drafts: int | None = None, checked: dict | None
     attention = {lm.role: getattr(lm.module.config, "_attn_implementation", None) for lm in (target, *drafts)}
     kernels = {}
     if cfg.get("packed_linear", True) and device.type == "cpu" and dtype == torch.float32:
-        from core.kernels import choose_one_row_kernel, pack_linears
+        from core.kernels import choose_kernels, pack_linears
 
         # After loading: only inference forwards take the packed kernels (trainers read the plain target). Each
-        # model's one-row kernel is the faster on this machine now, measured on its own forward (a second or two).
+        # model's forwards of each size take the faster kernel on this machine now, timed on its own forwards.
         for lm in (target, *drafts):
             pack_linears(lm.module)
-            kernels[lm.role] = choose_one_row_kernel(lm.module)
+            kernels[lm.role] = choose_kernels(lm.module)
     return Pair(pair_cfg.name, tokenizer, target, drafts, device, dtype, cache, pair_cfg, teacher, kernels=kernels,
                 attention=attention)

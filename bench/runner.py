@@ -237,7 +237,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
         tensors = [torch.tensor([ids], device=pair.device) for ids in encoded]
         prov = provenance(cfg, pair.device)
         prov["cost_ratio_c"] = cost_ratio(pair, tensors[0])
-        prov["one_row_kernels"] = pair.kernels  # which CPU kernel one-token forwards took, and why (timings)
+        prov["kernels"] = pair.kernels  # which CPU kernel each forward size took, and why (timings)
         # The optimised plain-decoding reference, with ar's stop tokens; its cache sized for these prompts.
         ref = reference.build(ref_mode, pair, get_method("ar")({}, pair).eos_ids, encoded, cfg.max_new_tokens)
         # What each method holds beyond the target (its parts, its tensors), measured once, outside any clock.

@@ -9,11 +9,13 @@ speculative method that plain decoding never pays. oneDNN's inner product on wei
 once, which is what torch inductor's freezing pass uses on CPU, is nearly flat from 1 to 8 rows, but a
 little slower than ``F.linear`` for one row -- on those days. On 2026-11-25 the same machine's one-row target
 forward took 56 ms with ``F.linear`` and 41 ms with the packed weights, so a fixed choice for one row would tax
-``ar`` (and every one-token step) on some days and not on others, and every speedup with it. So a
-:class:`PackedLinear` sends forwards of at least ``min_rows`` rows to the packed weights and everything else to
-``F.linear``, and :func:`choose_one_row_kernel` times both kernels on the loaded model's own one-token forward
-when a run loads it and keeps the faster for one row: the baseline decodes with the fastest kernel this machine
-has for it, as multi-token verification does.
+``ar`` (and every one-token step) on some days and not on others, and every speedup with it. And on
+2026-11-27 ``F.linear``'s 2- and 3-row forwards were the fastest of all (0.89x its one-row forward) while the packed
+weights cost 1.18x (scripts/verify_cost.py, docs/measuring.md). So no fixed rule holds: :func:`choose_kernels` times
+both kernels on the loaded model's own forwards of :data:`TIMED_ROWS` tokens when a run loads it, and each
+:class:`PackedLinear` then sends a forward of r rows to the kernel that was faster at the smallest timed count >= r
+(the largest beyond them): plain decoding and verification each take the fastest kernel this machine has for
+their size.
 
 The swap keeps each module's parameters (and weight tying), its state_dict keys and its FLOPs count;
 autograd, other dtypes and other devices always take ``F.linear``.
@@ -30,10 +32,13 @@ from transformers import DynamicCache
 from core.clock import clocked
 from core.kv_cache import lm_forward
 
-# Measured: F.linear's cost jumps between 3 and 4 rows on the machine above (1-3 rows: flat) in 2026-11; on
-# 2026-11-24 the same machine's F.linear made 2- and 3-row target forwards cost 1.5x and 2x a one-row one, the
-# packed weights 1.2x and 1.25x (docs/measuring.md): packing starts at 2 rows; one row is timed per run.
+# Before the kernels are timed (and where they are not: a model nobody timed): packed from 2 rows. Measured: F.linear's
+# cost jumps between 3 and 4 rows on the machine above in 2026-11; on 2026-11-24 its 2- and 3-row target forwards
+# cost 1.5x and 2x a one-row one, the packed weights 1.2x and 1.25x (docs/measuring.md).
 MIN_ROWS = 2
+# The row counts choose_kernels times: a step, chains of 1-3 drafts, then the sizes trees and longer chains reach.
+TIMED_ROWS = (1, 2, 3, 4, 8, 16)
+NEVER = 1 << 30  # a min_rows no forward reaches: F.linear always
 
 
 class PackedLinear(nn.Linear):
@@ -44,6 +49,9 @@ class PackedLinear(nn.Linear):
     """
 
     min_rows: int = MIN_ROWS
+    # Set by choose_kernels: packed_at[r] says whether r rows take the packed weights (rows beyond: the last entry);
+    # None: rows >= min_rows do.
+    packed_at: tuple[bool, ...] | None = None
     _packed: torch.Tensor | None = None
     _packed_of: tuple = ()
 
@@ -59,10 +67,16 @@ class PackedLinear(nn.Linear):
         # The packed weight is an opaque oneDNN tensor that cannot be copied or pickled; a copy repacks.
         return {k: v for k, v in self.__dict__.items() if k not in ("_packed", "_packed_of")}
 
+    def uses_packed(self, rows: int) -> bool:
+        """Whether a forward of ``rows`` rows takes the packed weights (on the CPU in fp32, without autograd)."""
+        if self.packed_at is None:
+            return rows >= self.min_rows
+        return self.packed_at[min(rows, len(self.packed_at) - 1)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(x.shape[-1], 1)
         plain = (
-            rows < self.min_rows
+            not self.uses_packed(rows)
             or x.device.type != "cpu"
             or x.dtype != torch.float32
             or self.weight.dtype != torch.float32
@@ -90,31 +104,38 @@ def pack_linears(model: nn.Module, min_rows: int = MIN_ROWS) -> int:
     return n
 
 
-def choose_one_row_kernel(model: nn.Module, reps: int = 15, past: int = 64) -> dict | None:
-    """Time ``model``'s one-token forward (a causal LM, after a ``past``-token cache) with one row on ``F.linear``
-    and on the packed weights, ``reps`` times each, interleaved after one untimed round, and keep the faster for one
-    row in each of its :class:`PackedLinear` s. Returns ``{"one_row": "packed" or "plain", "plain_ms", "packed_ms"}``
-    (medians), or None when nothing in it is packed. Untimed by the harness: it runs when a pair loads."""
+def choose_kernels(model: nn.Module, rows: tuple[int, ...] = TIMED_ROWS, reps: int = 5, past: int = 64) -> dict | None:
+    """Time ``model``'s forwards (a causal LM, after a ``past``-token cache) of each count of ``rows`` tokens, every
+    row's logits kept as a verification keeps them, on ``F.linear`` and on the packed weights, ``reps`` times each,
+    interleaved after one untimed round, and set every :class:`PackedLinear` to take the faster kernel at each count
+    (a count between two timed ones: the next larger one's; beyond the largest: its). Returns ``{"by_rows": {k:
+    "packed" or "plain"}, "plain_ms": {k: ms}, "packed_ms": {k: ms}}`` (medians), or None when nothing in it is
+    packed. Untimed by the harness: it runs when a pair loads (seconds for SmolLM2-135M)."""
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     if not linears:
         return None
+    rows = tuple(sorted(set(rows)))
     device = next(model.parameters()).device
     vocab = model.get_input_embeddings().num_embeddings
-    ids = torch.arange(past + 1, device=device).remainder(vocab).unsqueeze(0)
+    ids = torch.arange(past + rows[-1], device=device).remainder(vocab).unsqueeze(0)
     cache = DynamicCache()
     with torch.inference_mode():
         lm_forward(model, ids[:, :past], cache)
-    times = {1: [], MIN_ROWS: []}
+    kernels = {"plain": NEVER, "packed": 1}  # each as every linear's min_rows
+    times = {(kernel, k): [] for kernel in kernels for k in rows}
     for round_ in range(reps + 1):
-        for rows in times:
-            for lin in linears:
-                lin.min_rows = rows
-            _, seconds = clocked(device, lm_forward, model, ids[:, past:], cache, logits_to_keep=1)
-            cache.crop(-1)
-            if round_:  # the first round packs the weights and warms the caches
-                times[rows].append(seconds)
-    packed, plain = (statistics.median(times[rows]) * 1e3 for rows in (1, MIN_ROWS))
+        for k in rows:
+            for kernel, min_rows in kernels.items():
+                for lin in linears:
+                    lin.packed_at, lin.min_rows = None, min_rows
+                _, seconds = clocked(device, lm_forward, model, ids[:, past:past + k], cache)
+                cache.crop(-k)
+                if round_:  # the first round packs the weights and warms the caches
+                    times[(kernel, k)].append(seconds)
+    ms = {kernel: {k: round(statistics.median(times[(kernel, k)]) * 1e3, 2) for k in rows} for kernel in kernels}
+    packed = {k: ms["packed"][k] < ms["plain"][k] for k in rows}
+    table = tuple(packed[next(k for k in rows if k >= r)] for r in range(rows[-1] + 1))
     for lin in linears:
-        lin.min_rows = 1 if packed < plain else MIN_ROWS
-    return {"one_row": "packed" if packed < plain else "plain", "plain_ms": round(plain, 2),
-            "packed_ms": round(packed, 2)}
+        lin.packed_at, lin.min_rows = table, MIN_ROWS
+    return {"by_rows": {k: "packed" if packed[k] else "plain" for k in rows}, "plain_ms": ms["plain"],
+            "packed_ms": ms["packed"]}

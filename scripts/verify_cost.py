@@ -12,7 +12,7 @@ take on the CPU in fp32:
 
 - ``plain``: ``F.linear`` for every row count (transformers' own modules);
 - ``packed``: the oneDNN-packed weights for every row count;
-- ``chosen``: what a run takes (``F.linear`` or packed for one row, as timed at load; packed from 2 rows).
+- ``chosen``: what a run takes (per size, the kernel timed faster at load: ``core.kernels.choose_kernels``).
 
 ``ratio_*``: the forward's time over the same kernel's one-row forward; the memory roofline says it should stay
 near 1 while k is small (the same weights are read). Not here yet: the compiled forwards issue 40 adds (they need
@@ -36,18 +36,15 @@ from bench.cli import compose  # noqa: E402
 from bench.models import load_pair, use_threads  # noqa: E402
 from bench.validate import validate_run  # noqa: E402
 from core.clock import clocked  # noqa: E402
-from core.kernels import PackedLinear  # noqa: E402
+from core.kernels import NEVER, PackedLinear  # noqa: E402
 from core.kv_cache import lm_forward  # noqa: E402
 from decoding.cache import truncate_cache  # noqa: E402
 
-NEVER = 1 << 30  # a PackedLinear's min_rows that no forward reaches: F.linear always
-
-
 def kernel_settings(model) -> dict[str, dict]:
-    """Each variant as the ``min_rows`` of every PackedLinear (by module): plain, packed, and the run's choice."""
+    """Each variant as every PackedLinear's ``(packed_at, min_rows)`` (by module): plain, packed, the run's choice."""
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    chosen = {id(m): m.min_rows for m in linears}
-    return {"plain": {id(m): NEVER for m in linears}, "packed": {id(m): 1 for m in linears}, "chosen": chosen}
+    return {"plain": {id(m): (None, NEVER) for m in linears}, "packed": {id(m): (None, 1) for m in linears},
+            "chosen": {id(m): (m.packed_at, m.min_rows) for m in linears}}
 
 
 def curve(model, device, rows: list[int], past: int, repeats: int) -> list[dict]:
@@ -63,14 +60,14 @@ def curve(model, device, rows: list[int], past: int, repeats: int) -> list[dict]
     for round_ in range(repeats + 1):
         for v, setting in variants.items():
             for lin in linears:
-                lin.min_rows = setting[id(lin)]
+                lin.packed_at, lin.min_rows = setting[id(lin)]
             for k in rows:
                 _, seconds = clocked(device, lm_forward, model, ids[:, past:past + k], cache)
                 truncate_cache(cache, past)
                 if round_:  # the first round packs the weights and warms the caches
                     times[(v, k)].append(seconds)
     for lin in linears:  # as the run left them
-        lin.min_rows = variants["chosen"][id(lin)]
+        lin.packed_at, lin.min_rows = variants["chosen"][id(lin)]
     out = []
     for k in rows:
         row = {"k": k}
@@ -100,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     from tabulate import tabulate
 
     print(f"{cfg.pair.name} on {pair.device} in {str(pair.dtype).removeprefix('torch.')}, {args.past} cached tokens, "
-          f"{torch.get_num_threads()} threads; one-row kernel at load: {pair.kernels.get('target')}")
+          f"{torch.get_num_threads()} threads; kernels chosen at load: {pair.kernels.get('target')}")
     print(tabulate(table, headers="keys", tablefmt="github"))
     if args.csv:
         import pandas as pd

@@ -80,10 +80,11 @@ def test_load_pair_packs_cpu_fp32_models_unless_switched_off(compose_cfg):
     assert type(off.target.module.lm_head) is nn.Linear
 
 
-@pytest.mark.parametrize("faster", ["packed", "plain"])
-def test_the_faster_one_row_kernel_is_kept(monkeypatch, faster):
-    """choose_one_row_kernel times one-token forwards both ways and keeps the faster: the baseline's one-row
-    steps are never taxed by a kernel this machine runs slower (the clock is faked, so the test decides)."""
+def test_each_forward_size_takes_the_kernel_timed_faster_for_it(monkeypatch):
+    """choose_kernels times forwards of each timed size both ways and keeps the faster per size: plain decoding and
+    verification are never taxed by a kernel this machine runs slower for their size. The clock is faked so that
+    the packed weights win at 2 and 8 rows and lose at 1, 3 and 4; an untimed size takes the next larger timed one's
+    choice, a size beyond the largest takes the largest's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import core.kernels
@@ -93,27 +94,32 @@ def test_the_faster_one_row_kernel_is_kept(monkeypatch, faster):
     model = LlamaForCausalLM(cfg).eval()
     pack_linears(model)
     real = core.kernels.clocked
+    packed_wins = {2, 8}
 
-    def fake(device, fn, *args, **kwargs):
-        out, _ = real(device, fn, *args, **kwargs)
+    def fake(device, fn, model_, ids, *args, **kwargs):
+        out, _ = real(device, fn, model_, ids, *args, **kwargs)
         packed = model.lm_head.min_rows == 1
-        return out, (0.01 if packed == (faster == "packed") else 0.02)
+        return out, (0.01 if packed == (ids.shape[1] in packed_wins) else 0.02)
 
     monkeypatch.setattr(core.kernels, "clocked", fake)
-    got = core.kernels.choose_one_row_kernel(model, reps=3, past=5)
-    assert got == {"one_row": faster, "plain_ms": 20.0 if faster == "packed" else 10.0,
-                   "packed_ms": 10.0 if faster == "packed" else 20.0}
-    rows = {lin.min_rows for lin in model.modules() if isinstance(lin, PackedLinear)}
-    assert rows == {1 if faster == "packed" else 2}
-    assert core.kernels.choose_one_row_kernel(nn.Linear(3, 3)) is None  # nothing packed: nothing to choose
+    got = core.kernels.choose_kernels(model, rows=(1, 2, 3, 4, 8), reps=3, past=5)
+    assert got["by_rows"] == {1: "plain", 2: "packed", 3: "plain", 4: "plain", 8: "packed"}
+    assert got["plain_ms"][2] == 20.0 and got["packed_ms"][2] == 10.0
+    lin = model.lm_head
+    assert [lin.uses_packed(r) for r in range(1, 11)] == [False, True, False, False, True, True, True, True, True, True]
+    x = torch.randn(1, 2, cfg.hidden_size)
+    with torch.inference_mode():
+        lin(x)
+    assert lin._packed is not None  # 2 rows went to the packed weights
+    assert core.kernels.choose_kernels(nn.Linear(3, 3)) is None  # nothing packed: nothing to choose
 
 
-def test_load_pair_records_each_models_one_row_kernel(compose_cfg):
+def test_load_pair_records_each_models_kernels(compose_cfg):
     from bench.models import load_pair
 
     pair = load_pair(compose_cfg("pair=tiny"))
     assert set(pair.kernels) == {"target", "draft"}
     for role, lm in (("target", pair.target), ("draft", pair.draft)):
-        chosen = pair.kernels[role]["one_row"]
-        assert lm.module.lm_head.min_rows == (1 if chosen == "packed" else 2)
+        for rows, chosen in pair.kernels[role]["by_rows"].items():
+            assert lm.module.lm_head.uses_packed(rows) == (chosen == "packed")
     assert load_pair(compose_cfg("pair=tiny", "packed_linear=false")).kernels == {}
