@@ -38,20 +38,27 @@ from core.kv_cache import lm_forward
 MIN_ROWS = 2
 # The row counts choose_kernels times: a step, chains of 1-3 drafts, then the sizes trees and longer chains reach.
 TIMED_ROWS = (1, 2, 3, 4, 8, 16)
-NEVER = 1 << 30  # a min_rows no forward reaches: F.linear always
+
+
+def packed_from(rows: int) -> tuple[bool, ...]:
+    """The kernel table (:attr:`PackedLinear.packed_at`) of packed weights from ``rows`` rows on, ``F.linear`` below."""
+    return (False,) * rows + (True,)
+
+
+PLAIN = (False,)  # F.linear at every row count
+PACKED = packed_from(1)  # the packed weights at every row count
 
 
 class PackedLinear(nn.Linear):
-    """An ``nn.Linear`` whose CPU fp32 forwards of at least ``min_rows`` rows use oneDNN-packed weights.
+    """An ``nn.Linear`` whose CPU fp32 forwards of r rows use oneDNN-packed weights where ``packed_at`` says so.
 
     ``forward(x (..., in_features)) -> (..., out_features)``, numerically equal to ``F.linear`` up to
     float summation order (~1e-4 on SmolLM2-135M's logits).
     """
 
-    min_rows: int = MIN_ROWS
-    # Set by choose_kernels: packed_at[r] says whether r rows take the packed weights (rows beyond: the last entry);
-    # None: rows >= min_rows do.
-    packed_at: tuple[bool, ...] | None = None
+    # packed_at[r]: whether r rows take the packed weights (rows beyond the table: its last entry). Packed from
+    # MIN_ROWS until choose_kernels times this machine's kernels.
+    packed_at: tuple[bool, ...] = packed_from(MIN_ROWS)
     _packed: torch.Tensor | None = None
     _packed_of: tuple = ()
 
@@ -59,7 +66,8 @@ class PackedLinear(nn.Linear):
         # Repack when the weight changed since it was packed (in-place update: _version; replaced: data_ptr).
         state = (self.weight.data_ptr(), self.weight._version)
         if self._packed is None or self._packed_of != state:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.min_rows * 4)
+            # oneDNN's layout hint: four times the fewest rows that take the packed weights.
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 4 * self.packed_at.index(True))
             self._packed_of = state
         return self._packed
 
@@ -69,8 +77,6 @@ class PackedLinear(nn.Linear):
 
     def uses_packed(self, rows: int) -> bool:
         """Whether a forward of ``rows`` rows takes the packed weights (on the CPU in fp32, without autograd)."""
-        if self.packed_at is None:
-            return rows >= self.min_rows
         return self.packed_at[min(rows, len(self.packed_at) - 1)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,43 +105,56 @@ def pack_linears(model: nn.Module, min_rows: int = MIN_ROWS) -> int:
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = PackedLinear  # same object, same parameters: nothing else needs to know
-            module.min_rows = min_rows
+            module.packed_at = packed_from(min_rows)
             n += 1
     return n
 
 
+def time_forwards(model: nn.Module, tables: dict[str, tuple[bool, ...]], rows: tuple[int, ...], reps: int,
+                  past: int) -> dict[str, dict[int, float]]:
+    """``{name: {k: ms}}``: the median time of ``model``'s forward of k tokens (a causal LM, after a ``past``-token
+    cache; every row's logits kept, as a verification keeps them) with every :class:`PackedLinear` on kernel table
+    ``tables[name]``, for each k of ``rows``; tables and sizes interleaved in each of ``reps`` rounds after an untimed
+    one, under the harness clock. The linears keep the tables they had."""
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    before = [lin.packed_at for lin in linears]
+    device = next(model.parameters()).device
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.arange(past + max(rows), device=device).remainder(vocab).unsqueeze(0)
+    cache = DynamicCache()
+    with torch.inference_mode():
+        lm_forward(model, ids[:, :past], cache)
+    times = {(name, k): [] for name in tables for k in rows}
+    try:
+        for round_ in range(reps + 1):
+            for k in rows:
+                for name, table in tables.items():
+                    for lin in linears:
+                        lin.packed_at = table
+                    _, seconds = clocked(device, lm_forward, model, ids[:, past:past + k], cache)
+                    cache.crop(-k)
+                    if round_:  # the first round packs the weights and warms the caches
+                        times[(name, k)].append(seconds)
+    finally:
+        for lin, table in zip(linears, before):
+            lin.packed_at = table
+    return {name: {k: round(statistics.median(times[(name, k)]) * 1e3, 2) for k in rows} for name in tables}
+
+
 def choose_kernels(model: nn.Module, rows: tuple[int, ...] = TIMED_ROWS, reps: int = 5, past: int = 64) -> dict | None:
-    """Time ``model``'s forwards (a causal LM, after a ``past``-token cache) of each count of ``rows`` tokens, every
-    row's logits kept as a verification keeps them, on ``F.linear`` and on the packed weights, ``reps`` times each,
-    interleaved after one untimed round, and set every :class:`PackedLinear` to take the faster kernel at each count
-    (a count between two timed ones: the next larger one's; beyond the largest: its). Returns ``{"by_rows": {k:
-    "packed" or "plain"}, "plain_ms": {k: ms}, "packed_ms": {k: ms}}`` (medians), or None when nothing in it is
-    packed. Untimed by the harness: it runs when a pair loads (seconds for SmolLM2-135M)."""
+    """Time ``model``'s forwards of each count of ``rows`` tokens on ``F.linear`` and on the packed weights
+    (:func:`time_forwards`) and set every :class:`PackedLinear` to take the faster kernel at each count (a count
+    between two timed ones: the next larger one's; beyond the largest: its). Returns ``{"by_rows": {k: "packed" or
+    "plain"}, "plain_ms": {k: ms}, "packed_ms": {k: ms}}`` (medians), or None when nothing in it is packed. Untimed
+    by the harness: it runs when a pair loads (seconds for SmolLM2-135M)."""
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     if not linears:
         return None
     rows = tuple(sorted(set(rows)))
-    device = next(model.parameters()).device
-    vocab = model.get_input_embeddings().num_embeddings
-    ids = torch.arange(past + rows[-1], device=device).remainder(vocab).unsqueeze(0)
-    cache = DynamicCache()
-    with torch.inference_mode():
-        lm_forward(model, ids[:, :past], cache)
-    kernels = {"plain": NEVER, "packed": 1}  # each as every linear's min_rows
-    times = {(kernel, k): [] for kernel in kernels for k in rows}
-    for round_ in range(reps + 1):
-        for k in rows:
-            for kernel, min_rows in kernels.items():
-                for lin in linears:
-                    lin.packed_at, lin.min_rows = None, min_rows
-                _, seconds = clocked(device, lm_forward, model, ids[:, past:past + k], cache)
-                cache.crop(-k)
-                if round_:  # the first round packs the weights and warms the caches
-                    times[(kernel, k)].append(seconds)
-    ms = {kernel: {k: round(statistics.median(times[(kernel, k)]) * 1e3, 2) for k in rows} for kernel in kernels}
+    ms = time_forwards(model, {"plain": PLAIN, "packed": PACKED}, rows, reps, past)
     packed = {k: ms["packed"][k] < ms["plain"][k] for k in rows}
     table = tuple(packed[next(k for k in rows if k >= r)] for r in range(rows[-1] + 1))
     for lin in linears:
-        lin.packed_at, lin.min_rows = table, MIN_ROWS
+        lin.packed_at = table
     return {"by_rows": {k: "packed" if packed[k] else "plain" for k in rows}, "plain_ms": ms["plain"],
             "packed_ms": ms["packed"]}

@@ -161,12 +161,19 @@ def gqa_cost(out: Path, device: str, budget: Budget) -> dict:
         return {"skipped": "no time left"}
     cmd = [sys.executable, "scripts/gqa_cost.py", "--device", device, "--dtypes", "bfloat16", "--contexts", "1024,4096",
            "--layers", "4", "--csv", str(out / "gqa.csv")]
+    status, stdout, stderr = run_within(cmd, min(budget.left(), 120))
+    return {"status": status, "table": stdout[-6000:], "error": stderr[-2000:] if status != "passed" else ""}
+
+
+def run_within(cmd: list[str], seconds: float, env: dict | None = None) -> tuple[str, str, str]:
+    """``(status, stdout, stderr)`` of ``cmd`` run from the checkout, stopped after ``seconds``: status ``passed``,
+    ``exit N`` or ``timed out`` (with what it printed until then)."""
     try:
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(min(budget.left(), 120), 1))
-        return {"status": "passed" if done.returncode == 0 else f"exit {done.returncode}",
-                "table": done.stdout[-6000:], "error": done.stderr[-2000:] if done.returncode else ""}
-    except subprocess.TimeoutExpired:
-        return {"status": "timed out"}
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(seconds, 1))
+        return ("passed" if done.returncode == 0 else f"exit {done.returncode}"), done.stdout, done.stderr
+    except subprocess.TimeoutExpired as err:
+        text = [(t.decode() if isinstance(t, bytes) else t or "") for t in (err.stdout, err.stderr)]
+        return "timed out", text[0], text[1]
 
 
 def leviathan(alpha: float, gamma: int, c: float) -> float:
@@ -208,12 +215,8 @@ def walk(out: Path, device: str, quick: bool, budget: Budget, seconds: float) ->
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py", "-m", "gpu"]
     if quick:
         cmd += ["-k", "on_the_device_without_packed or harness_on_the_device"]
-    env = {**os.environ, "BENCH_GPU_TEST_DEVICE": device}
-    try:
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(min(budget.left(), seconds), 1))
-        log, status = done.stdout + done.stderr, ("passed" if done.returncode == 0 else f"exit {done.returncode}")
-    except subprocess.TimeoutExpired as err:
-        log, status = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or ""), "timed out"
+    status, stdout, stderr = run_within(cmd, min(budget.left(), seconds), {**os.environ, "BENCH_GPU_TEST_DEVICE": device})
+    log = stdout + stderr
     (out / "walk.log").write_text(log)
     tail = [line for line in log.splitlines() if " passed" in line or " failed" in line][-1:]
     return {"status": status, "result": tail[0] if tail else ""}

@@ -22,12 +22,10 @@ its static cache: a ``DynamicCache`` changes shape every step). Prints a table; 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -35,48 +33,16 @@ sys.path.insert(0, str(ROOT))
 from bench.cli import compose  # noqa: E402
 from bench.models import load_pair, use_threads  # noqa: E402
 from bench.validate import validate_run  # noqa: E402
-from core.clock import clocked  # noqa: E402
-from core.kernels import NEVER, PackedLinear  # noqa: E402
-from core.kv_cache import lm_forward  # noqa: E402
-from decoding.cache import truncate_cache  # noqa: E402
+from core.kernels import PACKED, PLAIN, PackedLinear, time_forwards  # noqa: E402
 
-def kernel_settings(model) -> dict[str, dict]:
-    """Each variant as every PackedLinear's ``(packed_at, min_rows)`` (by module): plain, packed, the run's choice."""
+def curve(model, rows: list[int], past: int, repeats: int) -> list[dict]:
+    """Median ms of a k-token forward after ``past`` cached tokens, per kernel and k (``core.kernels.time_forwards``),
+    and each one's ratio to the same kernel's one-token forward."""
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    return {"plain": {id(m): (None, NEVER) for m in linears}, "packed": {id(m): (None, 1) for m in linears},
-            "chosen": {id(m): (m.packed_at, m.min_rows) for m in linears}}
-
-
-def curve(model, device, rows: list[int], past: int, repeats: int) -> list[dict]:
-    """Median ms of a k-token forward after ``past`` cached tokens, per variant and k; ratios to k = 1."""
-    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    variants = kernel_settings(model) if linears else {"plain": {}}
-    vocab = model.get_input_embeddings().num_embeddings
-    ids = torch.arange(past + max(rows), device=device).remainder(vocab).unsqueeze(0)
-    cache = DynamicCache()
-    with torch.inference_mode():
-        lm_forward(model, ids[:, :past], cache)
-    times = {(v, k): [] for v in variants for k in rows}
-    for round_ in range(repeats + 1):
-        for v, setting in variants.items():
-            for lin in linears:
-                lin.packed_at, lin.min_rows = setting[id(lin)]
-            for k in rows:
-                _, seconds = clocked(device, lm_forward, model, ids[:, past:past + k], cache)
-                truncate_cache(cache, past)
-                if round_:  # the first round packs the weights and warms the caches
-                    times[(v, k)].append(seconds)
-    for lin in linears:  # as the run left them
-        lin.packed_at, lin.min_rows = variants["chosen"][id(lin)]
-    out = []
-    for k in rows:
-        row = {"k": k}
-        for v in variants:
-            ms = statistics.median(times[(v, k)]) * 1e3
-            row[f"{v}_ms"] = round(ms, 2)
-            row[f"ratio_{v}"] = round(ms / (statistics.median(times[(v, rows[0])]) * 1e3), 3)
-        out.append(row)
-    return out
+    tables = {"plain": PLAIN, "packed": PACKED, "chosen": linears[0].packed_at} if linears else {"plain": PLAIN}
+    ms = time_forwards(model, tables, tuple(rows), repeats, past)
+    return [{"k": k, **{f"{name}_ms": ms[name][k] for name in tables},
+             **{f"ratio_{name}": round(ms[name][k] / ms[name][rows[0]], 3) for name in tables}} for k in rows]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     use_threads(cfg)
     pair = load_pair(cfg, 0, checked)
     model = pair.target.module
-    table = curve(model, pair.device, rows, args.past, args.repeats)
+    table = curve(model, rows, args.past, args.repeats)
     from tabulate import tabulate
 
     print(f"{cfg.pair.name} on {pair.device} in {str(pair.dtype).removeprefix('torch.')}, {args.past} cached tokens, "

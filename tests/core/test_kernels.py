@@ -24,8 +24,8 @@ def test_packed_linear_equals_plain_linear(shape, bias):
         out = lin(x)
         assert out.shape == (*shape[:-1], 40)
         torch.testing.assert_close(out, ref(x), rtol=1e-5, atol=1e-5)
-    # Only forwards of at least min_rows rows are packed: the one-row path stays plain.
-    assert (lin._packed is not None) == (x.numel() // 24 >= lin.min_rows)
+    # Only forwards of at least MIN_ROWS rows are packed (until the kernels are timed): the one-row path stays plain.
+    assert (lin._packed is not None) == lin.uses_packed(x.numel() // 24)
 
 
 def test_parameters_tying_state_dict_and_flops_are_unchanged():
@@ -98,7 +98,7 @@ def test_each_forward_size_takes_the_kernel_timed_faster_for_it(monkeypatch):
 
     def fake(device, fn, model_, ids, *args, **kwargs):
         out, _ = real(device, fn, model_, ids, *args, **kwargs)
-        packed = model.lm_head.min_rows == 1
+        packed = model.lm_head.uses_packed(1)
         return out, (0.01 if packed == (ids.shape[1] in packed_wins) else 0.02)
 
     monkeypatch.setattr(core.kernels, "clocked", fake)
