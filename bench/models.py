@@ -555,7 +555,8 @@ def load_pair(cfg: DictConfig, n_drafts: int | None = None, checked: dict | None
         check_cache_used(lm.module, "the target" if lm.role == "target" else f"the {lm.role} model")
     attention = {lm.role: getattr(lm.module.config, "_attn_implementation", None) for lm in (target, *drafts)}
     kernels = {}
-    if cfg.get("packed_linear", True) and device.type == "cpu" and dtype == torch.float32:
+    # compile=true: inductor's freezing packs the weights per compiled bucket itself (core/compiled.py).
+    if cfg.get("packed_linear", True) and not cfg.get("compile") and device.type == "cpu" and dtype == torch.float32:
         from core.kernels import choose_kernels, pack_linears
 
         # After loading: only inference forwards take the packed kernels (trainers read the plain target). Each

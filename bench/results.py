@@ -132,8 +132,8 @@ def run_key(method_cfg: dict, cfg: DictConfig, prompt_id: str, trained: bool = F
     """A stable id of one decode's settings: same key, same measurement to make (a resumed run keeps it).
 
     Covers the method's settings, the pair's config, the dataset's config (but not ``n_prompts`` or
-    ``categories``, which only choose prompts), the prompt, temperature, top_p, max_new_tokens and seed,
-    and, for a method with trained parts (``trained``), the training recipe.
+    ``categories``, which only choose prompts), the prompt, temperature, top_p, max_new_tokens and seed, the
+    compiled buckets with ``compile``, and, for a method with trained parts (``trained``), the training recipe.
     """
     dataset = OmegaConf.to_container(cfg.dataset, resolve=True)
     for key in ("n_prompts", "categories"):
@@ -148,6 +148,8 @@ def run_key(method_cfg: dict, cfg: DictConfig, prompt_id: str, trained: bool = F
         "max_new_tokens": int(cfg.max_new_tokens),
         "seed": int(cfg.seed),
     }
+    if cfg.get("compile"):  # absent when eager: older run keys stay valid
+        parts["compile"] = sorted(int(b) for b in cfg.compile_buckets)
     if trained and cfg.get("recipe") is not None:  # absent otherwise: older run keys stay valid
         from training.recipes import store_key
 

@@ -9,6 +9,7 @@ record also carries its speedup against it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -32,6 +33,7 @@ from bench.results import (
 from bench.validate import validate_run
 from core import metrics
 from core.clock import clocked, sync
+from core.compiled import CompiledTarget, check_compiler, no_recompiles
 from core.kv_cache import lm_forward
 from core.pair import Pair
 from decoding.sampling import Sampling
@@ -97,6 +99,30 @@ def cost_ratio(pair: Pair, prompt_ids: torch.Tensor, repeats: int = 10) -> float
         return float("nan")
     draft, target = (forward_seconds(pair.device, lm.module, prompt_ids, 1, repeats) for lm in (pair.drafts[0], pair.target))
     return draft / target
+
+
+def compile_target(cfg: DictConfig, pair: Pair, prompts: list[list[int]]) -> CompiledTarget | None:
+    """``compile=true``: the target's forwards compiled per bucket of rows over one static cache sized for
+    ``prompts``, the budget and the warm-up, every bucket compiled and the result checked against the eager model
+    here, before any clock runs; every decode of the run (the baseline's, the method's) then goes through it. None
+    otherwise."""
+    if not cfg.get("compile"):
+        return None
+    longest = max((len(p) for p in prompts), default=0)
+    compiled = CompiledTarget(pair.target.module, longest + max(int(cfg.max_new_tokens), 16), tuple(cfg.compile_buckets))
+    log.info("compiling the target's forwards for %d row buckets (untimed)", len(compiled.buckets))
+    compiled.warm()
+    compiled.check()
+    pair.target.compiled = compiled
+    return compiled
+
+
+def uncompile(pair: Pair) -> None:
+    """Let go of the compiled target when the run ends: its graphs hold frozen copies of the weights (CPU) or a
+    CUDA-graph pool, which the next run of a sweep in this process must not decode beside."""
+    if pair.target.compiled is not None:
+        pair.target.compiled = None
+        torch._dynamo.reset()
 
 
 def method_cfgs(cfg: DictConfig) -> dict[str, DictConfig]:
@@ -175,6 +201,8 @@ def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float, samp
         "top_p": cfg.top_p,
         "max_new_tokens": cfg.max_new_tokens,
         "seed": cfg.seed,
+        # The target's forwards compiled per bucket over a static cache (core/compiled.py), or eager.
+        "compile": bool(cfg.get("compile")),
         "method_cfg": method.cfg.model_dump(mode="json"),
         # The training recipe behind the method's trained parts (draft, heads, verifier): its name, or
         # name~<hash> when its settings were overridden; None: nothing trained.
@@ -213,8 +241,10 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
     cfg, checked = validate_run(cfg)  # checked once, defaults filled in: before any model loads or file is written
     use_threads(cfg)
     device = resolve_device(cfg.device)  # the optimised plain-decoding reference, or None; refused here if it cannot run
-    ref_mode = reference.mode_for(cfg, device, packed=bool(cfg.packed_linear) and device.type == "cpu"
-                                  and resolve_dtype(cfg.dtype, device) == torch.float32)
+    if cfg.compile:
+        check_compiler(device)
+    ref_mode = reference.mode_for(cfg, device, packed=bool(cfg.packed_linear) and not cfg.compile
+                                  and device.type == "cpu" and resolve_dtype(cfg.dtype, device) == torch.float32)
     ref_cfg = reference.ReferenceConfig.of(ref_mode) if ref_mode else None
     torch.manual_seed(cfg.seed)
     prompts = load_prompts(cfg.dataset, cfg.seed)
@@ -228,7 +258,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
     if cfg.get("resume"):
         log.info("resume: %d prompts complete in %s, %d to decode", len(done), run_dir, len(todo))
 
-    methods_, encoded, tensors, ref, own = {}, [], [], None, {}
+    methods_, encoded, tensors, ref, own, compiled = {}, [], [], None, {}, None
     if todo:
         pair = load_pair(cfg, drafts_needed(mcfgs), checked)  # a missing distilled draft is distilled first
         methods_ = build_methods(cfg, mcfgs, pair)
@@ -240,6 +270,8 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
         prov["kernels"] = pair.kernels  # which CPU kernel each forward size took, and why (timings)
         # The optimised plain-decoding reference, with ar's stop tokens; its cache sized for these prompts.
         ref = reference.build(ref_mode, pair, get_method("ar")({}, pair).eos_ids, encoded, cfg.max_new_tokens)
+        compiled = compile_target(cfg, pair, encoded)
+        prov["compile"] = compiled.describe() if compiled is not None else None
         # What each method holds beyond the target (its parts, its tensors), measured once, outside any clock.
         own = {m.name: memory.method_param_bytes(m) for m in [*methods_.values(), *([ref] if ref else [])]}
     else:  # everything is already measured: no model needs loading
@@ -250,14 +282,20 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
     prov["status"] = "running"
     write_json_atomic(run_dir / "run.json", prov)
 
-    try:
-        for _ in range(int(cfg.warmup) if tensors else 0):  # untimed: first-call allocations, lazy inits, caches
-            for m in methods_.values():
-                timed_decode(m, pair, tensors[0], min(16, cfg.max_new_tokens), sampling, cfg.seed)
+    with contextlib.ExitStack() as held:
+        if ref is not None:  # its compiled step's caches and CUDA graphs would keep the target alive
+            held.callback(ref.close)
+        if compiled is not None:
+            held.callback(uncompile, pair)
         # The reference is warmed up whatever `warmup` says: compiling its step and recording its CUDA graph are never
         # timed.
         for _ in range(max(int(cfg.warmup), 1) if ref is not None else 0):
             timed_decode(ref, pair, tensors[0], reference.WARMUP_TOKENS, sampling, cfg.seed)
+        if compiled is not None:  # every bucket was compiled at load: a graph compiled again now would be timed
+            held.enter_context(no_recompiles())
+        for _ in range(int(cfg.warmup) if tensors else 0):  # untimed: first-call allocations, lazy inits, caches
+            for m in methods_.values():
+                timed_decode(m, pair, tensors[0], min(16, cfg.max_new_tokens), sampling, cfg.seed)
 
         writer = RecordWriter(run_dir, carried)
         records: list[dict] = list(carried)
@@ -306,7 +344,4 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
                 # From the records just published, read back as `python -m bench table` reads them: one summary.
                 prov["summary"] = summary.as_rows(summary.run_summary(run_dir, cfg.get("baseline")))
             write_json_atomic(run_dir / "run.json", prov)
-    finally:
-        if ref is not None:  # its compiled step's caches and CUDA graphs would keep the target alive
-            ref.close()
     return prov["summary"]

@@ -16,8 +16,8 @@ import pandas as pd
 from core import files
 from core.errors import BenchError
 
-# Settings that, when they vary across the loaded records, become part of a row's label.
-SAMPLING_KEYS = ("temperature", "top_p", "max_new_tokens")
+# Run settings that, when they vary across the loaded records, become part of a row's label.
+LABEL_KEYS = ("temperature", "top_p", "max_new_tokens", "compile")
 # What makes two records of one run directory a pair: the same prompt decoded under the same settings.
 PAIR_KEYS = ["run_dir", "pair", "dataset", "prompt_id", "temperature", "top_p", "max_new_tokens", "seed"]
 # The optimised plain-decoding reference's names in records (bench.reference.NAMES, without importing transformers).
@@ -76,9 +76,9 @@ def load(paths: list[str], baseline: str | None = None) -> tuple[pd.DataFrame, l
 def labels(df: pd.DataFrame) -> pd.Series:
     """A row label per record: the method's name, the training recipe behind a trained method, the settings the
     method always names (koala's base), then whichever of its settings (and of temperature, top_p,
-    max_new_tokens) vary across the loaded records, e.g. ``sd (recipe=quick, gamma=2, temperature=0.7)``."""
+    max_new_tokens, compile) vary across the loaded records, e.g. ``sd (recipe=quick, gamma=2, temperature=0.7)``."""
     cfg_json = df["method_cfg"].map(lambda c: json.dumps(c, sort_keys=True))
-    varying_global = [k for k in SAMPLING_KEYS if k in df and df[k].nunique(dropna=False) > 1]
+    varying_global = [k for k in LABEL_KEYS if k in df and df[k].nunique(dropna=False) > 1]
     varying_cfg: dict[str, list[str]] = {}
     for method, group in df.groupby("method"):
         cfgs = [json.loads(s) for s in cfg_json[group.index].unique()]

@@ -50,8 +50,14 @@ class RunSettings(Settings):
         "on CUDA when greedy")
     train_if_missing: bool = Field(True, description="train a missing draft / heads / verifier before decoding")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (null: torch's default)")
-    packed_linear: bool = Field(True, description="CPU fp32: forwards of >= 2 rows use oneDNN-packed weights "
-                                "(core/kernels.py)")
+    packed_linear: bool = Field(True, description="CPU fp32, uncompiled: each forward size takes the faster of "
+                                "F.linear and oneDNN-packed weights, timed at load (core/kernels.py)")
+    compile: bool = Field(False, description="the target's forwards compiled per bucket of rows on a static cache "
+                          "(CPU: inductor with freezing; CUDA: CUDA graphs), for the baseline and the method alike "
+                          "(core/compiled.py)")
+    compile_buckets: list[int] = Field([1, 2, 4, 8, 16, 32, 64], min_length=1, description="with compile: the row "
+                                       "counts a graph is compiled for; a forward of n rows runs the smallest >= n "
+                                       "(larger ones run uncompiled)")
     resume: str | None = Field(None, min_length=1, description="DIR: write the run (with -m: the sweep) into DIR, "
                                "keep its complete records, decode only the rest")
 
@@ -102,7 +108,20 @@ def checked(cfg: DictConfig) -> dict[str, Settings]:
             raise BenchError(f"baseline={settings.baseline}: {err}") from None
     if settings.max_new_tokens is None:
         settings.max_new_tokens = dataset.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+    if settings.compile:
+        check_compiled(settings, method_cls)
     return {"": settings, "method": method, "pair": pair, "dataset": dataset, "recipe": recipe}
+
+
+def check_compiled(settings: RunSettings, method_cls) -> None:
+    """``compile=true``: bucket sizes that are row counts, and a method and baseline whose target forwards all go
+    through the compiled target (a method that reaches into the target otherwise says why it cannot, in
+    ``Method.uncompiled``)."""
+    if min(settings.compile_buckets) < 1:
+        raise BenchError(f"compile_buckets must be row counts >= 1, got {settings.compile_buckets}.")
+    for role, cls in (("method", method_cls), ("baseline", get_method(settings.baseline) if settings.baseline else None)):
+        if cls is not None and cls.uncompiled:
+            raise BenchError(f"{role}={cls.name} cannot run with compile=true yet: {cls.uncompiled}; set compile=false.")
 
 
 def check_synthetic(settings: RunSettings, method_cls, method, pair: PairSettings) -> None:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from core.flops import FlopFormula
 from core.kv_cache import lm_forward
+from core.static_cache import RowCache
 
 
 class Counted:
@@ -31,9 +33,15 @@ class Counted:
         self.calls = 0  # forward passes
         self.tokens = 0  # query positions scored, summed over the batch
         self.flops = 0.0  # analytic forward FLOPs (core.flops)
+        # A compiled forward's padding (core.compiled): rows run only to fill a bucket, and the FLOPs they and the
+        # static cache's masked columns cost beyond the real rows' (not in ``tokens`` or ``flops``).
+        self.padded_tokens = 0
+        self.padded_flops = 0.0
+        self.uncompiled_calls = 0  # forwards of more rows than the largest bucket, run uncompiled
 
     def stats(self) -> dict:
-        return {"calls": self.calls, "tokens": self.tokens, "flops": self.flops}
+        return {"calls": self.calls, "tokens": self.tokens, "flops": self.flops, "padded_tokens": self.padded_tokens,
+                "padded_flops": self.padded_flops, "uncompiled_calls": self.uncompiled_calls}
 
     def _count(self, batch: int, new_tokens: int, kv_len: int, *, head_rows: int | None = None,
                flops: float | None = None, extra_flops: float = 0.0) -> None:
@@ -63,6 +71,9 @@ class CountedLM(Counted):
         # A synthetic pair's target: the verification forwards' logits are decided by this coin
         # (decoding.set_acceptance.SetAcceptance, applied by decoding.tree.score_tree); None for a real model.
         self.acceptance = None
+        # compile=true: the forwards compiled per bucket of rows over one static cache (core.compiled.CompiledTarget),
+        # which every decode's cache then is (new_cache); None: eager forwards over a DynamicCache each.
+        self.compiled = None
         head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
         head = head if head is not None else getattr(module, "head", None)
         self.head_weights = head.weight.numel() if head is not None else 0
@@ -78,7 +89,30 @@ class CountedLM(Counted):
         keep = kwargs.get("logits_to_keep", 0)
         rows = len(keep) if isinstance(keep, torch.Tensor) else (keep if keep > 0 else None)
         self._count(batch, new_tokens, past + new_tokens, head_rows=rows)
+        if isinstance(cache, RowCache) and self.compiled is not None:
+            out = self.compiled(input_ids, cache, **kwargs)
+            self._count_padding()
+            return out
         return lm_forward(self.module, input_ids, cache, **kwargs)
+
+    def _count_padding(self) -> None:
+        """What the compiled call just made ran beyond its real rows: padding rows, and the static cache's masked
+        columns every row attends to (the output head runs on real rows only, in neither figure)."""
+        head = 2.0 * self.head_weights
+        for past, real, padded, compiled in self.compiled.ran:
+            self.uncompiled_calls += not compiled
+            self.padded_tokens += padded - real
+            self.padded_flops += (self.formula(padded, self.compiled.cache.max_len) - head * padded) - (
+                self.formula(real, past + real) - head * real)
+
+    def new_cache(self, holder: str):
+        """A KV cache for one decode by ``holder`` (a method's name): the compiled forwards' static cache when
+        compiled (give it back with :meth:`release_cache`), else a new ``DynamicCache``."""
+        return DynamicCache() if self.compiled is None else self.compiled.new_cache(holder)
+
+    def release_cache(self, cache) -> None:
+        if self.compiled is not None and cache is self.compiled.cache:
+            self.compiled.release()
 
     def count_plain_loop(self, prompt_len: int, new_tokens: int) -> None:
         """Count the forwards of plain greedy decoding run by a loop that calls the module itself, not this wrapper

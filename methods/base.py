@@ -75,6 +75,9 @@ class Method:
     Config: type[MethodSettings] = MethodSettings  # its settings: types, ranges, defaults, meanings
     label_settings: tuple[str, ...] = ()  # settings its rows in tables always name (beside those that vary)
     train_variants: tuple[dict, ...] = ({},)  # the settings ``train all`` trains it with (over its defaults)
+    # Why the method cannot run with compile=true (core/compiled.py) yet, in a few words; None: it can (every target
+    # forward it makes goes through the pair's target with the decode's cache).
+    uncompiled: str | None = None
 
     def __init__(self, cfg: MethodSettings | DictConfig | dict, pair: Pair):
         self.cfg = self.check_settings(cfg)  # typed: validated, defaults filled in, as the command line checks
@@ -218,7 +221,9 @@ class PromptState:
         self.on_tokens = on_tokens
         self.seq: list[int] = prompt_ids[0].tolist()
         self.prompt_len = len(self.seq)
-        self.cache = DynamicCache()
+        # The target's cache: a new DynamicCache, or with compile=true the compiled forwards' one static cache, given
+        # back when the decode ends (closing).
+        self.cache = self.pair.target.new_cache(method.name)
         self.caches: list = []
         self.accept_lengths: list[int] = []
         self.drafted: list[int] = []
@@ -227,6 +232,7 @@ class PromptState:
         self.prompt_logits: torch.Tensor | None = None  # (prompt_len, vocab) for methods with prompt_logits = True
         # Contexts the prompt opens (a hook on a model) and the decode closes when it ends, by an error too.
         self.closing = ExitStack()
+        self.closing.callback(self.pair.target.release_cache, self.cache)
 
     @property
     def out(self) -> list[int]:

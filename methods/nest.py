@@ -88,6 +88,7 @@ class Mixture:
 @register("nest")
 class Nest(DraftVerify):
     lossless = False  # the output follows the retrieval mixture, not the target: see the module docstring
+    uncompiled = "it reads the target's last layer's input through a hook, which compiled forwards do not run"
 
     class Config(MethodSettings):
         datastore: str | None = Field(None, description="a built NEST datastore folder (cache_dir/nest/datastore-"

@@ -100,6 +100,7 @@ def layout(pending: int, candidates: list[int], masks: int) -> tuple[Tree, list[
 @register("space")
 class Space(DraftVerify):
     lossless = True  # every candidate is verified by the target: greedy output equals ar's
+    uncompiled = "its mask tokens' embeddings are swapped in by a hook on the target, which compiled forwards do not run"
     Config = SpaceSettings
     label_settings = ("masks",)
 
@@ -162,17 +163,18 @@ class Space(DraftVerify):
         # setup() loads the trained part before the timed decode; never lazily inside it.
         assert self.embeddings is not None, "call setup() before decode()"
         state = self.State(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens)
-        k = self.cfg.masks
-        state.tried, state.hits, state.scored = [0] * k, [0] * k, []
-        # The prefill: the prompt, then one group of masks (causal: each mask sees the prompt and the masks
-        # before it). Its last k + 1 rows: the target's first token, then the first candidates.
-        with self.masked(state.seq + [MASK] * k) as ids:
-            logits = self.pair.target(ids, state.cache, logits_to_keep=k + 1).logits[0]
-        candidates = logits[1:].argmax(-1).tolist()
-        state.commit([int(next_token(logits[0], sampling, generator))], drafted=None)  # the masks' KV is cut here
-        while not state.done:
-            candidates = self.step(state, candidates[: max(state.draft_budget, 0)])
-        return state.output(self.extra(state))
+        with state.closing:  # the target's cache (a compiled target's) is given back however the decode ends
+            k = self.cfg.masks
+            state.tried, state.hits, state.scored = [0] * k, [0] * k, []
+            # The prefill: the prompt, then one group of masks (causal: each mask sees the prompt and the masks
+            # before it). Its last k + 1 rows: the target's first token, then the first candidates.
+            with self.masked(state.seq + [MASK] * k) as ids:
+                logits = self.pair.target(ids, state.cache, logits_to_keep=k + 1).logits[0]
+            candidates = logits[1:].argmax(-1).tolist()
+            state.commit([int(next_token(logits[0], sampling, generator))], drafted=None)  # the masks' KV is cut here
+            while not state.done:
+                candidates = self.step(state, candidates[: max(state.draft_budget, 0)])
+            return state.output(self.extra(state))
 
     def step(self, state: State, candidates: list[int]) -> list[int]:
         """ONE target forward over the layout of ``candidates`` (as many as the budget leaves room for): verify

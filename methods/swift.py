@@ -62,6 +62,7 @@ def width(confidence: float, widths: list[int]) -> int:
 @register("swift")
 class Swift(DraftVerify):
     lossless = True
+    uncompiled = "its draft runs a subset of the target's layers on the target's own cache, outside the compiled forwards"
     label_settings = ("search",)
 
     class Config(MethodSettings):

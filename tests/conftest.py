@@ -80,3 +80,32 @@ def looping_prompt(tiny_pair):
 
     ids = repeating_prompt(tiny_pair)
     return ids + decode(tiny_pair, "ar", ids, max_new=30).output_ids
+
+
+@pytest.fixture(scope="session")
+def compiled_target(tiny_pair):
+    """The tiny target's forwards compiled per bucket of rows (core.compiled), every bucket compiled once for the
+    session (about a minute on 2 cores); its cache holds the longest builtin prompt plus a budget."""
+    from core.compiled import CompiledTarget
+
+    target = CompiledTarget(tiny_pair.target.module, max_len=1024)
+    target.warm()
+    return target
+
+
+@pytest.fixture
+def compiled(compiled_target):
+    """``compiled(pair)``: ``pair`` whose target (the tiny one) runs through the session's compiled forwards, with a
+    role table of its own; the cache is given back after the test, whatever happened."""
+    import dataclasses
+
+    from core.counting import CountedLM
+
+    def _compiled(pair):
+        assert pair.target.module is compiled_target.module
+        target = CountedLM(pair.target.module, "target")
+        target.compiled = compiled_target
+        return dataclasses.replace(pair, target=target, roles={})
+
+    yield _compiled
+    compiled_target.release()

@@ -55,6 +55,7 @@ class Eagle3Settings(EagleSettings):
 @register("eagle3")
 class Eagle3(Eagle):
     lossless = True
+    uncompiled = "it reads three of the target's layers through hooks, which compiled forwards do not run"
     hidden = False  # the draft reads three layers' inputs through its own hooks, not the last hidden state
     Config = Eagle3Settings
 

@@ -173,7 +173,8 @@ class Glide(DraftVerify):
         """Feed the draft ``tokens`` at the positions after its cache's, glimpsing the target's cache of the
         committed positions < p; returns the logits ``(V',)`` of the token after the last."""
         p = state.cache.get_seq_length()
-        kvs = [(state.cache.layers[i].keys, state.cache.layers[i].values) for i in self.layers]
+        # The committed positions only: a static cache (compile=true) holds more slots than it has filled.
+        kvs = [(state.cache.layers[i].keys[..., :p, :], state.cache.layers[i].values[..., :p, :]) for i in self.layers]
         start = state.dcache.get_seq_length()
         positions = torch.arange(start, start + len(tokens), device=state.device)
         # Tokens read late (the prompt, a fully accepted draft's last token) see the target as training showed

@@ -20,8 +20,10 @@ from tests.helpers import (
     assert_greedy_equal_to_ar,
     assert_sampling_is_the_targets,
     build,
+    decode,
     noisy_copy,
     prompts_for,
+    run,
     with_drafts,
 )
 
@@ -59,6 +61,31 @@ def test_lossless_greedy_equals_ar(name, good_pair, tiny_pair):
     # Both a weak (random) and a good draft: acceptance changes, the output must not.
     for pair in (tiny_pair, good_pair):
         assert_greedy_equal_to_ar(build(pair, name), prompts_for(pair, 3))
+
+
+@pytest.mark.parametrize("name", [m for m in METHODS if get_method(m).lossless])
+def test_lossless_greedy_equals_ar_compiled(name, good_pair, compiled):
+    """With the target's forwards compiled per bucket (compile=true), greedy output stays ar's, and every step takes
+    what it takes eagerly (the same accepted lengths: a method reading stale hidden states from the compiled
+    forwards would draft otherwise); a method that says it cannot run compiled is refused, never silently run."""
+    from core.compiled import no_recompiles
+    from core.errors import BenchError
+
+    pair = compiled(good_pair)
+    method = build(pair, name)
+    # A prompt within the largest bucket (a compiled prefill) and one beyond it (an uncompiled one).
+    prompts = [min(prompts_for(good_pair, 8), key=len), prompts_for(good_pair, 3)[2]]
+    if get_method(name).uncompiled:
+        with pytest.raises((BenchError, RuntimeError), match="compile=true|compiled target's own forwards"):
+            run(method, prompts[0], 8)
+        return
+    eager = build(good_pair, name)
+    with no_recompiles():
+        for ids in prompts:
+            ref = decode(good_pair, "ar", ids, max_new=24)
+            out, plain = run(method, ids, 24), run(eager, ids, 24)
+            assert out.output_ids == ref.output_ids == plain.output_ids, f"{name} compiled differs from ar"
+            assert out.accept_lengths == plain.accept_lengths
 
 
 def loop_settings(name: str, pair, looping_prompt, folder) -> dict:

@@ -1,0 +1,291 @@
+"""The target's forwards compiled for a few fixed shapes (``compile=true``): issue 40, docs/design/static-verification.md.
+
+Why: what a speculative method gains depends on what a k-token verification forward costs against a one-token step,
+and an eager forward's cost is set by its kernels' quirks (BLAS blocking on the CPU, kernel launches on a GPU), not by
+the bytes and FLOPs it needs. Production runs the target compiled, so the harness times it that way too, the baseline
+and every method alike.
+
+How:
+
+- one :class:`~core.static_cache.RowCache` per run, allocated once, sized for the longest prompt plus the budget plus
+  the largest bucket (room for padding rows);
+- every target forward of n query rows (a verification tree, a one-token step, a prompt chunk) is padded to the
+  smallest **bucket** >= n (default 1, 2, 4, 8, 16, 32, 64) and runs one graph compiled for that size (``dynamic=False``,
+  ``fullgraph=True``): on the CPU inductor with weight freezing (weights folded and pre-packed for the bucket's row
+  count, as ``core/kernels.py`` does by hand for eager runs), on CUDA ``mode="reduce-overhead"`` (CUDA graphs);
+- what changes per step is a tensor, never a Python number a graph is specialised on: the token ids ``(1, Q)``, each
+  row's depth below the pending token ``(1, Q)``, which rows each row may see ``(1, Q, Q)`` and the cache's length
+  ``(1,)``; the graph derives positions, the cache slots and the ``(1, 1, Q, max_len)`` attention mask from them;
+- padding rows repeat the first token at the next positions, each sees the prefix and itself (a row that sees nothing
+  would be NaN), and no real row sees them; they are written past the real rows, then the cache's length moves by the
+  real rows only, so the next forward overwrites them. Their cost is counted as waste
+  (``core.counting.Counted.padded_tokens`` / ``padded_flops``), never hidden;
+- the output head runs outside the graph, on the rows whose logits are needed (one graph per bucket, whatever
+  ``logits_to_keep`` is);
+- a forward of more rows than the largest bucket (a long prompt's prefill) runs the same code uncompiled (counted as
+  ``uncompiled_calls``), as transformers' own compiled ``generate`` runs its prefill eagerly;
+- :meth:`CompiledTarget.warm` compiles every bucket before anything is timed (compile seconds per bucket are in
+  ``run.json``), then :meth:`CompiledTarget.check` refuses, in one sentence, a compiled forward whose logits are not
+  the eager model's for the same tokens (after the cache, and without it);
+- timed decodes run under ``torch.compiler.set_stance("fail_on_recompile")`` (:func:`no_recompiles`): a shape or guard
+  the warm-up did not see stops the run instead of compiling inside the clock or falling back to eager silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from core.clock import sync
+from core.errors import BenchError
+from core.kv_cache import cache_kwargs, lm_forward
+from core.static_cache import RowCache
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # query rows a graph is compiled for (SGLang and vLLM capture similar sizes)
+
+
+def backend_of(device: torch.device) -> dict:
+    """How a forward is compiled on ``device``: torch.compile's arguments and what the records say."""
+    if device.type == "cuda":
+        return {"backend": "inductor", "mode": "reduce-overhead", "freezing": False, "cuda_graphs": True}
+    if device.type == "cpu":
+        return {"backend": "inductor", "mode": None, "freezing": True, "cuda_graphs": False}
+    raise BenchError(f"compile=true runs on the CPU or on CUDA; device {device} has no compiled path here "
+                     "(set compile=false).")
+
+
+def check_compiler(device: torch.device) -> None:
+    """One sentence when inductor cannot compile on ``device`` (on the CPU it needs a C++ compiler)."""
+    backend_of(device)
+    if device.type == "cpu":
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        try:
+            get_cpp_compiler()
+        except Exception as err:  # torch raises several kinds here, all meaning "no usable C++ compiler"
+            raise BenchError(f"compile=true on the CPU needs a C++ compiler for torch inductor, and none was found "
+                             f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); install g++ or set "
+                             "compile=false.") from None
+
+
+def foreign(hook) -> bool:
+    """Whether a module hook is someone else's than transformers': transformers installs its own on a model's layers
+    the first time a forward asks for hidden states, inert unless a forward records them, which compiled forwards do
+    not ask it to."""
+    return not getattr(hook, "__module__", "").startswith("transformers.")
+
+
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket holding ``n`` rows; None beyond the largest."""
+    return next((b for b in buckets if b >= n), None)
+
+
+class CompiledTarget:
+    """A causal LM's forwards over one :class:`RowCache`, compiled per bucket of query rows.
+
+    ``module``: a transformers causal LM whose logits are its output head applied to its decoder's last hidden state
+    (checked by :meth:`check`); ``max_len``: the longest sequence a decode holds (prompt plus budget).
+    """
+
+    def __init__(self, module, max_len: int, buckets: tuple[int, ...] = BUCKETS):
+        if not buckets or min(buckets) < 1:
+            raise BenchError(f"compile_buckets must be row counts >= 1, got {list(buckets)}.")
+        self.module = module
+        self.decoder = module.get_decoder() if hasattr(module, "get_decoder") else module.model
+        self.head = module.get_output_embeddings()
+        param = next(module.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.buckets = tuple(sorted(set(int(b) for b in buckets)))
+        self.options = backend_of(self.device)
+        # Room past the longest sequence for the largest forward's rows (padding, or a tree's rejected nodes).
+        self.cache = RowCache(module.config, 1, max_len + 2 * max(self.buckets), self.dtype, self.device)
+        # Every module of the model: a hook added to one after compiling would not run inside the graphs (torch
+        # does not guard on nn.Module hooks), so a forward with one is refused (:meth:`_refuse_hooks`).
+        self.modules = list(module.modules())
+        if self.options["cuda_graphs"]:  # CUDA graphs replay fixed addresses; on the CPU this would freeze them in
+            for layer in self.cache.layers:
+                torch._dynamo.mark_static_address(layer.keys)
+                torch._dynamo.mark_static_address(layer.values)
+            torch._dynamo.mark_static_address(self.cache.lengths_t)
+        self.graph = torch.compile(self._hidden, dynamic=False, fullgraph=True, mode=self.options["mode"])
+        self.compile_s: dict[int, float] = {}
+        self.ran: list[tuple[int, int, int, bool]] = []  # the last call's forwards: past, real rows, rows run, compiled
+        self.holder: str | None = None
+
+    # ------------------------------------------------------------------------------------------- the graph
+
+    def _hidden(self, ids: torch.Tensor, depth: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
+        """``hidden (rows, Q, hidden)``: the decoder's last hidden states for ``ids (rows, Q)`` read after each row's
+        cached positions, row i of each at position ``length + depth[i]``, seeing the cache and the rows ``sees
+        (rows, Q, Q)`` marks; the cache is written at slots ``length .. length + Q - 1``."""
+        cache = self.cache
+        rows, q = ids.shape
+        lengths = cache.lengths_t
+        rel = torch.arange(cache.max_len, device=ids.device)[None, :] - lengths[:, None]  # (rows, L): slot - length
+        new = (rel >= 0) & (rel < q)
+        seen = sees.gather(2, rel.clamp(0, q - 1)[:, None, :].expand(rows, q, cache.max_len)) & new[:, None, :]
+        visible = (rel < 0)[:, None, :] | seen  # (rows, Q, L)
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=ids.device)
+        mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]  # (rows, 1, Q, L), additive
+        out = self.decoder(input_ids=ids, position_ids=lengths[:, None] + depth, attention_mask=mask,
+                           use_cache=True, **cache_kwargs(cache))
+        return out.last_hidden_state
+
+    def _run(self, ids: list[int], depth: list[int], sees: torch.Tensor) -> torch.Tensor:
+        """``hidden (n, hidden)`` of ``n`` real rows (``sees (n, n)``), padded to their bucket; the cache's length
+        then grows by n."""
+        n = len(ids)
+        q = bucket_for(n, self.buckets)
+        pad = (q or n) - n
+        ids_t = torch.tensor([ids + [ids[0]] * pad], device=self.device)
+        depth_t = torch.tensor([depth + list(range(max(depth) + 1, max(depth) + 1 + pad))], device=self.device)
+        sees_t = torch.eye(n + pad, dtype=torch.bool)
+        sees_t[:n, :n] = sees
+        self.cache.lengths_t.copy_(torch.tensor(self.cache.lengths), non_blocking=True)
+        self.cache.writer = self
+        self.ran.append((self.cache.lengths[0], n, n + pad, q is not None))
+        if q is None:
+            hidden = self._hidden(ids_t, depth_t, sees_t.to(self.device)[None])
+        else:
+            if self.options["cuda_graphs"]:
+                torch.compiler.cudagraph_mark_step_begin()
+            hidden = self.graph(ids_t, depth_t, sees_t.to(self.device)[None])
+            if self.options["cuda_graphs"]:
+                hidden = hidden.clone()  # a replay overwrites its output buffer
+        self.cache.writer = None
+        self.cache.lengths[0] += n
+        return hidden[0, :n]
+
+    # ------------------------------------------------------------------------------------------- the forward
+
+    def __call__(self, input_ids: torch.Tensor, cache: RowCache, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, logits_to_keep=0, output_hidden_states: bool = False,
+                 **kwargs) -> CausalLMOutputWithPast:
+        """What ``lm_forward(module, input_ids, cache, ...)`` returns, for ``input_ids (1, n)``: ``logits (1, r, vocab)``
+        on the rows ``logits_to_keep`` names (0: all; k: the last k; a 1-D tensor: those), and ``hidden_states`` (only
+        the last: the decoder's normed output, as transformers' ``hidden_states[-1]``) when asked for.
+
+        ``attention_mask``: None (causal) or the harness's ``(1, 1, n, past + n)`` additive tree mask
+        (``decoding.tree.additive_mask``) with every past column visible; ``position_ids``: None (``past + i``) or
+        ``(1, n)``."""
+        if cache is not self.cache:
+            raise ValueError("a compiled target reads and writes its own RowCache only")
+        if kwargs:
+            raise ValueError(f"the compiled target takes no {sorted(kwargs)}")
+        rows, n = input_ids.shape
+        if rows != 1:
+            raise ValueError("the compiled target reads one sequence at a time")
+        self._refuse_hooks()
+        past = cache.get_seq_length()
+        if past + (bucket_for(n, self.buckets) or n) > cache.max_len:
+            raise BenchError(f"a target forward of {n} rows at position {past} passes the compiled target's cache of "
+                             f"{cache.max_len} positions (the run's longest prompt and budget, and twice the largest "
+                             "bucket); larger compile_buckets make room.")
+        ids = input_ids[0].tolist()
+        self.ran = []
+        if attention_mask is None and position_ids is None:  # causal
+            hidden = self._run(ids, list(range(n)), torch.ones(n, n, dtype=torch.bool).tril())
+        else:
+            if attention_mask is None or position_ids is None:
+                raise ValueError("a tree forward gives both attention_mask and position_ids")
+            visible = attention_mask[0, 0] == 0
+            if not bool(visible[:, :past].all()):
+                raise ValueError("the compiled target's rows see the whole cache; this mask hides part of it")
+            hidden = self._run(ids, (position_ids[0] - past).tolist(), visible[:, past:].cpu())
+        if isinstance(logits_to_keep, torch.Tensor):
+            kept = hidden[logits_to_keep]
+        else:
+            kept = hidden[-logits_to_keep:] if logits_to_keep else hidden
+        logits = self.head(kept)[None]
+        return CausalLMOutputWithPast(logits=logits, hidden_states=(hidden[None],) if output_hidden_states else None)
+
+    def _refuse_hooks(self) -> None:
+        """One sentence when a hook sits on one of the model's modules: it would not run inside a compiled graph
+        (torch skips guards on nn.Module hooks), so a method reading what it captures would read stale tensors."""
+        hooked = next((m for m in self.modules if any(foreign(h) for h in (*m._forward_hooks.values(),
+                                                                          *m._forward_pre_hooks.values()))), None)
+        if hooked is not None:
+            raise BenchError(f"a hook on the target's {type(hooked).__name__} would not run inside its compiled "
+                             "forwards; a method that hooks the target cannot run with compile=true.")
+
+    # ------------------------------------------------------------------------------------------- set-up
+
+    def new_cache(self, holder: str) -> RowCache:
+        """The run's one cache, emptied, for the decode ``holder`` names; released by :meth:`release`. One sentence
+        when another decode holds it (a method that runs a second target decode inside its own)."""
+        if self.holder is not None:
+            raise BenchError(f"{holder} asked for the compiled target's cache while {self.holder} holds it: a method "
+                             "that runs two target decodes at once cannot run with compile=true yet.")
+        self.holder = holder
+        self.cache.reset()
+        return self.cache
+
+    def release(self) -> None:
+        self.holder = None
+        self.cache.reset()
+
+    def warm(self) -> None:
+        """Compile every bucket (untimed), largest first, and keep each one's seconds in :attr:`compile_s`."""
+        with torch.inference_mode(), compile_settings(self.options, len(self.buckets)):
+            for q in sorted(self.buckets, reverse=True):
+                sync(self.device)
+                start = time.perf_counter()
+                self.cache.reset()
+                self._run([0] * q, list(range(q)), torch.ones(q, q, dtype=torch.bool).tril())
+                sync(self.device)
+                self.compile_s[q] = round(time.perf_counter() - start, 3)
+            self.cache.reset()
+
+    def check(self, context: int = 6, new: int = 3) -> None:
+        """Refuse (one sentence) compiled forwards whose logits are not the eager model's: ``context`` tokens read
+        through the cache, then ``new`` after them, against the same tokens read whole without any cache; and a
+        one-token step against the same. Catches a graph that ignores or misreads its cache, a model whose logits
+        are not its output head on its last hidden state, and a compiler that miscompiles."""
+        vocab = self.head.weight.shape[0]
+        ids = (torch.arange(context + new, device=self.device) * 7 + vocab // 3).remainder(vocab).unsqueeze(0)
+        with torch.inference_mode(), no_recompiles():
+            whole = lm_forward(self.module, ids).logits[0].float()
+            alone = lm_forward(self.module, ids[:, context:]).logits[0].float()
+            self.new_cache("the compiled target's check")
+            try:
+                first = self(ids[:, :context], self.cache).logits[0].float()
+                then = self(ids[:, context:], self.cache).logits[0].float()
+                step = self(ids[:, :1], self.cache).logits[0].float()  # a one-token forward after them
+            finally:
+                self.release()
+        ref_step = lm_forward(self.module, torch.cat([ids, ids[:, :1]], 1)).logits[0, -1:].float()
+        got = torch.cat([first, then, step])
+        ref = torch.cat([whole, ref_step])
+        error = (got - ref).abs().max().item()
+        scale = ref.abs().max().item()
+        context_effect = (alone - whole[context:]).abs().max().item()
+        tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
+        if not error <= tolerance * max(scale, 1.0) or (context_effect > 0 and not error < 0.25 * context_effect):
+            raise BenchError(f"the compiled target's logits are {error:.3g} away from the eager model's for the same "
+                             f"tokens (largest logit {scale:.3g}); compile=false runs it uncompiled.")
+
+    def describe(self) -> dict:
+        """What ``run.json`` says about the compiled target."""
+        return {**self.options, "buckets": list(self.buckets), "compile_s": dict(self.compile_s),
+                "cache_positions": self.cache.max_len, "cache_bytes": self.cache.nbytes,
+                "torch": torch.__version__}
+
+
+@contextlib.contextmanager
+def compile_settings(options: dict, graphs: int):
+    """torch's compile settings while the buckets compile: freezing where asked, and room for one graph per bucket
+    (dynamo's default limit, 8, would fall back to eager silently past it; here a ninth graph is an error)."""
+    import torch._dynamo
+    import torch._inductor.config as inductor
+
+    with torch._dynamo.config.patch(recompile_limit=max(graphs + 2, torch._dynamo.config.recompile_limit),
+                                    fail_on_recompile_limit_hit=True), inductor.patch(freezing=options["freezing"]):
+        yield
+
+
+def no_recompiles():
+    """A context where a compiled graph that would compile again raises instead (timed decodes)."""
+    return torch.compiler.set_stance("fail_on_recompile")

@@ -1,0 +1,116 @@
+"""A static KV cache with one length per row: what a compiled, static-shape forward writes into and reads.
+
+transformers' ``StaticCache`` keeps one length for the whole batch (a 0-d ``cumulative_length``), so its rows cannot
+hold prompts of different lengths, and 5.17's cannot be rolled back at all (no ``crop``). This one is the harness's
+own, the same on every supported release (docs/design/static-verification.md, part B1):
+
+- per layer, ``keys`` and ``values`` of shape ``(rows, kv_heads, max_len, head_dim)``, allocated once and zeroed then:
+  a slot no forward has written yet holds zeros, never garbage, because a masked column whose key or value is NaN
+  still turns the rows that mask it into NaN (0 * NaN);
+- the rows' lengths twice: ``lengths`` (host ints, what the decoding loop reads) and ``lengths_t`` (a ``(rows,)`` long
+  tensor on the device, which the compiled forward reads, so a length is never a Python constant a graph is
+  specialised on). The forward's wrapper copies the host lengths into ``lengths_t`` before each call, and advances
+  ``lengths`` after it by the rows that were real (padding rows are written past them, and never counted);
+- a forward of ``q`` query rows writes row ``b``'s keys at slots ``lengths[b] .. lengths[b] + q - 1`` of that row;
+- rolling back (``crop``; what ``decoding.cache.truncate_cache`` and ``decoding.tree.keep_path`` do after a rejection)
+  only moves the length: stale slots past it are masked by every later forward and overwritten by the next write.
+
+For now a cache of one row (``get_seq_length`` and ``crop`` act on it); a batch of rows (issue 41) reads and rolls
+back each row through its own view.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class RowLayer(CacheLayerMixin):
+    """One decoder layer's keys and values in a :class:`RowCache`; its lengths are the cache's (every layer holds the
+    same positions)."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, owner: RowCache, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.owner, self.keys, self.values = owner, keys, values
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing: the tensors are allocated with the cache."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write ``key_states (rows, kv_heads, q, head_dim)`` (and the values) at each row's slots from its length on,
+        and return the whole allocation, which the forward's mask limits to what each query may see."""
+        if self.owner.writer is None:  # lengths_t is set for the forward that CompiledTarget runs, and only then
+            raise RuntimeError("a RowCache is written by the compiled target's own forwards only (this forward did "
+                               "not go through core.compiled.CompiledTarget)")
+        rows, heads, q, dim = key_states.shape
+        slots = self.owner.lengths_t[:, None] + torch.arange(q, device=key_states.device)  # (rows, q)
+        index = slots[:, None, :, None].expand(rows, heads, q, dim)
+        self.keys.scatter_(2, index, key_states)
+        self.values.scatter_(2, index, value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return self.keys.shape[-2], 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[-2]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.owner.crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        self.owner.reset()
+
+
+class RowCache(Cache):
+    """A static KV cache of ``rows`` sequences of at most ``max_len`` positions for ``config``'s decoder layers, in
+    ``dtype`` on ``device``. Made once per run and :meth:`reset` between prompts: a compiled forward is specialised
+    on these tensors (docs/design/static-verification.md, finding A5.2: a frozen graph handed a new cache of the same
+    shape may keep reading the old one)."""
+
+    def __init__(self, config, rows: int, max_len: int, dtype: torch.dtype, device):
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (rows, kv_heads, max_len, head_dim)
+        self.max_len = max_len
+        self.lengths = [0] * rows
+        self.lengths_t = torch.zeros(rows, dtype=torch.long, device=device)
+        self.writer = None  # the forward writing now (set by core.compiled.CompiledTarget around each call)
+        super().__init__(layers=[RowLayer(self, torch.zeros(shape, dtype=dtype, device=device),
+                                          torch.zeros(shape, dtype=dtype, device=device))
+                                 for _ in range(config.num_hidden_layers)])
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The one row's length (a cache of several rows is read row by row)."""
+        if self.rows != 1:
+            raise ValueError("a RowCache of several rows has one length per row: read cache.lengths")
+        return self.lengths[0]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` positions (a number <= 0, as transformers 5 takes it; 0 drops none)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes minus the number of positions to drop, got {tokens_to_remove}")
+        self.lengths[0] = max(self.get_seq_length() + tokens_to_remove, 0)
+
+    def reset(self) -> None:
+        """Empty every row (the tensors keep their addresses and contents; no forward reads past a row's length)."""
+        self.lengths = [0] * self.rows
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.keys, layer.values))

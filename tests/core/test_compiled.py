@@ -1,0 +1,113 @@
+"""The compiled target (core/compiled.py): per-bucket graphs over a static per-row cache give the eager model's
+logits and hidden states, count their padding, never compile inside a decode, and refuse what they cannot run
+(a hook on the target, a forward that bypasses them, a second decode on their cache, a graph that ignores it)."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from core.compiled import CompiledTarget, bucket_for, no_recompiles
+from core.counting import CountedLM
+from core.errors import BenchError
+from core.kv_cache import lm_forward
+from decoding.tree import Tree, score_tree
+from tests.helpers import decode, prompts_for
+
+
+def random_tree(gen: torch.Generator, n: int, vocab: int) -> Tree:
+    tree = Tree(int(torch.randint(vocab, (1,), generator=gen)))
+    for _ in range(n - 1):
+        parent = int(torch.randint(len(tree), (1,), generator=gen))
+        tree.add_child(parent, int(torch.randint(vocab, (1,), generator=gen)), merge=False)
+    return tree
+
+
+@pytest.mark.parametrize("size", [1, 3, 8, 13, 40, 70])  # 70: beyond the largest bucket, run uncompiled
+def test_a_tree_forward_gives_the_eager_logits_and_hidden_states(tiny_pair, compiled, size):
+    pair = compiled(tiny_pair)
+    eager = CountedLM(tiny_pair.target.module, "target")
+    gen = torch.Generator().manual_seed(size)
+    vocab = tiny_pair.target.module.config.vocab_size
+    prompt = torch.randint(vocab, (1, 20), generator=gen)
+    with torch.inference_mode(), no_recompiles():
+        cache, ref_cache = pair.target.new_cache("test"), DynamicCache()
+        for counted, c in ((pair.target, cache), (eager, ref_cache)):
+            counted(prompt, c)
+        for step in range(3):  # trees after a growing cache, each kept in part as a decode keeps it
+            tree = random_tree(gen, size, vocab)
+            got, got_h = score_tree(pair.target, cache, tree, hidden=True)
+            ref, ref_h = score_tree(eager, ref_cache, tree, hidden=True)
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got_h, ref_h, rtol=1e-4, atol=1e-4)
+            for c in (cache, ref_cache):
+                c.crop(-(size - 1))  # keep the root only
+    assert pair.target.uncompiled_calls == (3 if size > 64 else 0)  # the 20-token prefill runs bucket 32
+
+
+def test_padding_rows_are_counted_not_hidden(tiny_pair, compiled):
+    pair = compiled(tiny_pair)
+    ids = prompts_for(tiny_pair, 3)[2][:30]
+    with no_recompiles():
+        pair.reset_counts()
+        ar = decode(pair, "ar", ids, max_new=10)
+        plain = pair.target.stats()
+        pair.reset_counts()
+        sd = decode(pair, "sd", ids, max_new=10, gamma=2)
+        chains = pair.target.stats()
+    assert ar.output_ids == sd.output_ids
+    assert plain["padded_tokens"] == bucket_for(30, (1, 2, 4, 8, 16, 32, 64)) - 30  # steps of 1 row: no padding
+    assert plain["padded_flops"] > 0  # every row attends over the whole static cache
+    buckets = (1, 2, 4, 8, 16, 32, 64)
+    assert sd.drafted.count(2) >= 2  # chains of 3 rows, one padding row each
+    assert chains["padded_tokens"] == 2 + sum(bucket_for(d + 1, buckets) - (d + 1) for d in sd.drafted)
+    assert chains["uncompiled_calls"] == 0
+
+
+def test_a_hook_on_the_target_is_refused(tiny_pair, compiled):
+    pair = compiled(tiny_pair)
+    handle = tiny_pair.target.module.get_input_embeddings().register_forward_hook(lambda *a: None)
+    try:
+        with pytest.raises(BenchError, match="hook on the target's Embedding would not run"):
+            decode(pair, "ar", prompts_for(tiny_pair, 1)[0][:10], max_new=3)
+    finally:
+        handle.remove()
+
+
+def test_the_cache_is_written_by_the_compiled_forwards_only(tiny_pair, compiled_target, compiled):
+    cache = compiled_target.new_cache("test")
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="written by the compiled target's own forwards"):
+        lm_forward(tiny_pair.target.module, torch.tensor([[1, 2, 3]]), cache)
+
+
+def test_one_decode_holds_the_cache_at_a_time(compiled_target, compiled):
+    compiled_target.new_cache("sd")
+    with pytest.raises(BenchError, match="while sd holds it"):
+        compiled_target.new_cache("ar")
+    compiled_target.release()
+    compiled_target.new_cache("ar")
+
+
+def test_a_cache_too_small_for_a_forward_is_one_sentence(tiny_pair, compiled):
+    pair = compiled(tiny_pair)
+    with torch.inference_mode(), pytest.raises(BenchError, match="passes the compiled target's cache"):
+        pair.target(torch.zeros(1, 2000, dtype=torch.long), pair.target.new_cache("test"))
+
+
+class ForgetfulTarget(CompiledTarget):
+    """A compiled target whose graph reads its new rows without the cache: what a model that swallows the cache
+    keyword, or a stale frozen graph, would compute."""
+
+    def _hidden(self, ids, depth, sees):
+        self.cache.lengths_t.zero_()
+        return super()._hidden(ids, depth, sees)
+
+
+def test_a_compiled_target_that_ignores_its_cache_is_refused(tiny_pair):
+    target = ForgetfulTarget(tiny_pair.target.module, max_len=64, buckets=(1,))
+    target.warm()
+    with pytest.raises(BenchError, match="compiled target's logits are .* away from the eager model's"):
+        target.check()
+
+
+def test_the_compiled_target_passes_its_check(compiled_target):
+    compiled_target.check()
