@@ -41,7 +41,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from core.clock import sync
 from core.errors import BenchError
-from core.kv_cache import cache_kwargs, lm_forward
+from core.kv_cache import lm_forward
 from core.static_cache import RowCache
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # query rows a graph is compiled for (SGLang and vLLM capture similar sizes)
@@ -130,9 +130,8 @@ class CompiledTarget:
         visible = (rel < 0)[:, None, :] | seen  # (rows, Q, L)
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=ids.device)
         mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]  # (rows, 1, Q, L), additive
-        out = self.decoder(input_ids=ids, position_ids=lengths[:, None] + depth, attention_mask=mask,
-                           use_cache=True, **cache_kwargs(cache))
-        return out.last_hidden_state
+        return lm_forward(self.decoder, ids, cache, position_ids=lengths[:, None] + depth,
+                          attention_mask=mask).last_hidden_state
 
     def _run(self, ids: list[int], depth: list[int], sees: torch.Tensor) -> torch.Tensor:
         """``hidden (n, hidden)`` of ``n`` real rows (``sees (n, n)``), padded to their bucket; the cache's length

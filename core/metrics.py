@@ -53,6 +53,11 @@ def record_metrics(new_tokens: int, wall_s: float, ttft_s: float, accept_lengths
         "scored_tokens": {role: c["tokens"] for role, c in counts.items()},  # positions scored per role
         "flops": flops,  # analytic forward FLOPs per role and in total (core/flops.py)
         "flops_per_token": ratio(flops["total"], new_tokens),
+        # compile=true (core/compiled.py): rows run only to fill a bucket, the FLOPs they and the static cache's masked
+        # columns cost beyond the real rows' (not in ``flops``), and forwards larger than every bucket, run uncompiled.
+        "padded_tokens": {role: c.get("padded_tokens", 0) for role, c in counts.items()},
+        "padded_flops": {role: c.get("padded_flops", 0.0) for role, c in counts.items()},
+        "uncompiled_calls": {role: c.get("uncompiled_calls", 0) for role, c in counts.items()},
     }
 
 

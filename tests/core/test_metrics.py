@@ -45,7 +45,7 @@ def test_first_difference(a, b, want):
 
 def _counts():
     return {
-        "target": {"calls": 4, "tokens": 20, "flops": 100.0},
+        "target": {"calls": 4, "tokens": 20, "flops": 100.0, "padded_tokens": 3, "padded_flops": 7.5, "uncompiled_calls": 1},
         "draft": {"calls": 6, "tokens": 6, "flops": 10.0},
         "draft_small": {"calls": 2, "tokens": 2, "flops": 5.0},  # every role named draft* counts as a draft
         "head": {"calls": 3, "tokens": 9, "flops": 5.0},
@@ -68,6 +68,10 @@ def test_record_metrics_by_hand():
         "scored_tokens": {"target": 20, "draft": 6, "draft_small": 2, "head": 9},
         "flops": {"target": 100.0, "draft": 10.0, "draft_small": 5.0, "head": 5.0, "total": 120.0},
         "flops_per_token": 12.0,
+        # compile=true's padding, beside the real rows' figures (a role that reports none: 0)
+        "padded_tokens": {"target": 3, "draft": 0, "draft_small": 0, "head": 0},
+        "padded_flops": {"target": 7.5, "draft": 0.0, "draft_small": 0.0, "head": 0.0},
+        "uncompiled_calls": {"target": 1, "draft": 0, "draft_small": 0, "head": 0},
     }
 
 
