@@ -144,17 +144,19 @@ class CompiledTarget:
         sees_t = torch.eye(n + pad, dtype=torch.bool)
         sees_t[:n, :n] = sees
         self.cache.lengths_t.copy_(torch.tensor(self.cache.lengths), non_blocking=True)
-        self.cache.writer = self
         self.ran.append((self.cache.lengths[0], n, n + pad, q is not None))
-        if q is None:
-            hidden = self._hidden(ids_t, depth_t, sees_t.to(self.device)[None])
-        else:
-            if self.options["cuda_graphs"]:
-                torch.compiler.cudagraph_mark_step_begin()
-            hidden = self.graph(ids_t, depth_t, sees_t.to(self.device)[None])
-            if self.options["cuda_graphs"]:
-                hidden = hidden.clone()  # a replay overwrites its output buffer
-        self.cache.writer = None
+        self.cache.writer = self
+        try:
+            if q is None:
+                hidden = self._hidden(ids_t, depth_t, sees_t.to(self.device)[None])
+            else:
+                if self.options["cuda_graphs"]:
+                    torch.compiler.cudagraph_mark_step_begin()
+                hidden = self.graph(ids_t, depth_t, sees_t.to(self.device)[None])
+                if self.options["cuda_graphs"]:
+                    hidden = hidden.clone()  # a replay overwrites its output buffer
+        finally:
+            self.cache.writer = None
         self.cache.lengths[0] += n
         return hidden[0, :n]
 
@@ -182,7 +184,7 @@ class CompiledTarget:
         if past + (bucket_for(n, self.buckets) or n) > cache.max_len:
             raise BenchError(f"a target forward of {n} rows at position {past} passes the compiled target's cache of "
                              f"{cache.max_len} positions (the run's longest prompt and budget, and twice the largest "
-                             "bucket); larger compile_buckets make room.")
+                             "bucket); a larger largest bucket makes room.")
         ids = input_ids[0].tolist()
         self.ran = []
         if attention_mask is None and position_ids is None:  # causal

@@ -11,10 +11,14 @@ of what matters most, each skipped with a note once the time budget is spent:
 4. eager ``ar`` against the optimised plain-decoding reference (bench/reference.py: transformers' ``generate`` on a
    static cache with ``torch.compile``, ``ar_compiled``; ``ar_static``, uncompiled, in the CPU dry run) on the
    synthetic pair of ``--shape`` in ``--dtype``, same prompts: its speedup over ``ar`` and whether its tokens are ar's;
-5. the methods of ``--methods`` (:data:`SYNTHETIC_METHODS`) on a synthetic pair of ``--shape`` (default
+5. ``compile=true`` (core/compiled.py: the target's forwards compiled per row bucket, CUDA graphs on CUDA; never run
+   on a GPU before): ``--compiled`` (default ``sd``) against ``ar``, both compiled, buckets 1 and 8 only (``sd``'s
+   chains of 5 rows pad to 8; prompts run uncompiled), on the synthetic pair at the first rate, then the same run
+   eager, for what time is left: whether the CUDA path runs, stays ar's token for token, and what it changes;
+6. the methods of ``--methods`` (:data:`SYNTHETIC_METHODS`) on a synthetic pair of ``--shape`` (default
    Llama-3.1-8B with Llama-3.2-1B as draft; trained parts untrained) in bf16, at two acceptance rates, each against ``ar`` on the same prompts (``reference=none``: compiling
    the reference in each of these runs would spend the budget), for what time is left;
-6. on CUDA, for what time is left: what GQA's key/value copy costs a verification there and what ``sdpa_gqa``
+7. on CUDA, for what time is left: what GQA's key/value copy costs a verification there and what ``sdpa_gqa``
    saves (``scripts/gqa_cost.py``, bf16, 1k and 4k cached tokens, 4 layers: ``OUT/gqa.csv``), which decides whether
    ``core.gqa_attention`` is switched on for CUDA too.
 
@@ -152,6 +156,32 @@ def reference_rows(out: Path, device: str, shape: str, dtype: str, prompts: int,
     return [{**r, "seconds": round(time.monotonic() - start, 1)} for r in rows]
 
 
+def compiled_rows(out: Path, device: str, shape: str, dtype: str, rate: float, prompts: int, tokens: int, cache: str,
+                  budget: Budget, method: str) -> list[dict]:
+    """``method`` against ``ar`` with ``compile=true`` (buckets 1 and 8), then eagerly, on the synthetic pair of ``shape``
+    at acceptance ``rate``: the summary rows of both runs, each with ``compile`` and the seconds the run took
+    (compiling included, untimed by the run itself)."""
+    from bench.runner import run
+
+    rows = []
+    for compiled in (True, False):
+        if budget.left() < (150 if compiled else 45):
+            rows.append({"method": method, "compile": compiled, "skipped": "no time left"})
+            continue
+        cfg = compose([f"method={method}", "pair=synthetic", f"pair.shape={shape}", f"pair.acceptance={rate}",
+                       f"device={device}", f"dtype={dtype}", f"max_new_tokens={tokens}", f"dataset.n_prompts={prompts}",
+                       "warmup=1", "reference=none", f"compile={str(compiled).lower()}", "compile_buckets=[1,8]",
+                       f"cache_dir={cache}"])
+        start = time.monotonic()
+        try:
+            rows += [{**r, "compile": compiled, "seconds": round(time.monotonic() - start, 1)}
+                     for r in run(cfg, out / ("compiled" if compiled else "eager"))]
+        except Exception as err:  # noqa: BLE001 - the check reports every failure and goes on
+            rows.append({"method": method, "compile": compiled,
+                         "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"})
+    return rows
+
+
 def gqa_cost(out: Path, device: str, budget: Budget) -> dict:
     """scripts/gqa_cost.py on ``device`` (CUDA only: the CPU's figures are in docs/measuring.md) for what the budget
     leaves, at most two minutes; its rows in ``out/gqa.csv``."""
@@ -237,6 +267,12 @@ def markdown(check: dict) -> str:
                 for r in check["reference"]]
     lines += [f"## Eager `ar` against the optimised plain decoding (`reference`): {check['synthetic_pair']}", "",
               tabulate(ref_rows, headers="keys", tablefmt="github", floatfmt=".4g"), ""]
+    comp_cols = ["label", "compile", "tokens_per_s", "speedup_median", "matches_baseline", "tie_flips", "mismatches",
+                 "peak_mem_bytes", "seconds", "skipped", "error"]
+    comp_rows = [{c.replace("_bytes", "_mib"): mib(r[c]) if c.endswith("_bytes") else r[c] for c in comp_cols if c in r}
+                 for r in check.get("compiled", [])]
+    lines += ["## `compile=true` against eager (buckets 1 and 8; compiling counted in `seconds`)", "",
+              tabulate(comp_rows, headers="keys", tablefmt="github", floatfmt=".4g"), ""]
     cols = ["method", "acceptance_set", "speedup_median", "speedup_pooled", "mean_accepted", "alpha", "cost_ratio_c",
             "analytic_speedup", "tokens_per_s", "ar_tokens_per_s", "target_calls_per_token", "peak_mem_bytes", "error"]
     rows = [{c.replace("_bytes", "_mib"): mib(r[c]) if c.endswith("_bytes") and c in r else r.get(c)
@@ -261,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--methods", default=",".join(SYNTHETIC_METHODS))
+    p.add_argument("--compiled", default="sd", help="step 5's method (compile=true against ar); none: skip the step")
     p.add_argument("--reference", choices=["auto", "compiled", "static", "none"], default="auto",
                    help="step 4's reference; auto: compiled on CUDA, static (uncompiled) elsewhere")
     p.add_argument("--walk", choices=["full", "quick", "none"], default="full")
@@ -281,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     mode = args.reference if args.reference != "auto" else ("compiled" if args.device.startswith("cuda") else "static")
     check["reference"] = (reference_rows(out, args.device, args.shape, args.dtype, args.prompts, args.tokens, cache,
                                          budget, mode) if mode != "none" else [])
+    check["compiled"] = (compiled_rows(out, args.device, args.shape, args.dtype, rates[0], args.prompts, args.tokens,
+                                       cache, budget, args.compiled) if args.compiled != "none" else [])
     check["synthetic"], check["skipped"] = synthetic_rows(out, args.device, args.shape, args.dtype, rates, args.prompts,
                                                           args.tokens, cache, budget, args.methods.split(","))
     check["gqa"] = gqa_cost(out, args.device, budget)
@@ -295,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = any("error" in r or (r.get("ar_equals_cache_free") is False and not r.get("near_tie")) for r in check["guard"])
     # The reference must run, and its tokens may leave ar's only at near-ties (a rounding flip of the argmax).
     failed |= any("error" in r or (r.get("mismatches") or 0) > 0 for r in check["reference"])
+    failed |= any("error" in r for r in check["compiled"])
     failed |= check["walk"].get("status", "passed") not in ("passed", "timed out")  # a failing GPU test fails the check
     return 1 if failed or any("error" in r for r in check["synthetic"]) else 0
 

@@ -14,14 +14,19 @@ take on the CPU in fp32:
 - ``packed``: the oneDNN-packed weights for every row count;
 - ``chosen``: what a run takes (per size, the kernel timed faster at load: ``core.kernels.choose_kernels``).
 
+With ``--compiled``, also ``compiled``: the forward as ``compile=true`` runs it (``core.compiled.CompiledTarget``, a
+graph per k on its static cache, the linears on ``F.linear`` for inductor to pack), timed in rounds of its own with
+``plain`` again beside it (``compiled_plain_ms``), so the two compare within one set of rounds. Compiling costs
+about a minute per k for SmolLM2-135M on 2 cores (untimed).
+
 ``ratio_*``: the forward's time over the same kernel's one-row forward; the memory roofline says it should stay
-near 1 while k is small (the same weights are read). Not here yet: the compiled forwards issue 40 adds (they need
-its static cache: a ``DynamicCache`` changes shape every step). Prints a table; ``--csv`` writes its rows.
+near 1 while k is small (the same weights are read). Prints a table; ``--csv`` writes its rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -45,12 +50,52 @@ def curve(model, rows: list[int], past: int, repeats: int) -> list[dict]:
              **{f"ratio_{name}": round(ms[name][k] / ms[name][rows[0]], 3) for name in tables}} for k in rows]
 
 
+def compiled_curve(model, rows: list[int], past: int, repeats: int) -> dict[int, dict]:
+    """Per k: median ms of the compiled forward of k tokens (a graph per k) after ``past`` cached tokens, and of the
+    eager ``F.linear`` one in the same rounds, interleaved, the first round dropped."""
+    from transformers import DynamicCache
+
+    from core.clock import clocked
+    from core.compiled import CompiledTarget, no_recompiles
+    from core.kv_cache import lm_forward
+
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    for lin in linears:
+        lin.packed_at = PLAIN  # F.linear: inductor's freezing packs the weights per graph itself
+    device = next(model.parameters()).device
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.arange(past + max(rows), device=device).remainder(vocab).unsqueeze(0)
+    compiled = CompiledTarget(model, past + max(rows), tuple(rows))
+    compiled.warm()
+    cache, static = DynamicCache(), compiled.new_cache("verify_cost")
+    times = {(name, k): [] for name in ("compiled", "compiled_plain") for k in rows}
+    with torch.inference_mode(), no_recompiles():
+        lm_forward(model, ids[:, :past], cache)
+        for start in range(0, past, max(rows)):  # the static cache's prefix, in compiled pieces
+            compiled(ids[:, start:min(start + max(rows), past)], static)
+        for round_ in range(repeats + 1):
+            for k in rows:
+                step = ids[:, past:past + k]
+                for name, forward, held in (("compiled", lambda: compiled(step, static), static),
+                                            ("compiled_plain", lambda: lm_forward(model, step, cache), cache)):
+                    _, seconds = clocked(device, forward)
+                    held.crop(-k)
+                    if round_:
+                        times[(name, k)].append(seconds)
+    compiled.release()
+    ms = {key: round(statistics.median(v) * 1e3, 2) for key, v in times.items()}
+    return {k: {"compiled_ms": ms[("compiled", k)], "compiled_plain_ms": ms[("compiled_plain", k)],
+                "ratio_compiled": round(ms[("compiled", k)] / ms[("compiled", rows[0])], 3),
+                "compiled_vs_plain": round(ms[("compiled", k)] / ms[("compiled_plain", k)], 3)} for k in rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,2,3,4,6,8,12,16,24,32", help="tokens k per forward, comma-separated (1 first)")
     p.add_argument("--past", type=int, default=128, help="cached tokens before each forward")
     p.add_argument("--repeats", type=int, default=15, help="timed rounds")
     p.add_argument("--csv", type=Path, help="also write the rows here")
+    p.add_argument("--compiled", action="store_true", help="also time the compiled forwards (compile=true's)")
     args, overrides = p.parse_known_args(argv)
     rows = sorted({int(r) for r in args.rows.split(",")})
     if rows[0] != 1:
@@ -60,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     pair = load_pair(cfg, 0, checked)
     model = pair.target.module
     table = curve(model, rows, args.past, args.repeats)
+    if args.compiled:
+        extra = compiled_curve(model, rows, args.past, args.repeats)
+        table = [{**row, **extra[row["k"]]} for row in table]
     from tabulate import tabulate
 
     print(f"{cfg.pair.name} on {pair.device} in {str(pair.dtype).removeprefix('torch.')}, {args.past} cached tokens, "
