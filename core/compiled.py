@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import types
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -78,6 +79,15 @@ def foreign(hook) -> bool:
     return not getattr(hook, "__module__", "").startswith("transformers.")
 
 
+def own_code(method):
+    """``method`` (a bound method) on a copy of its code object. Dynamo keeps compiled graphs per code object: with a
+    copy of its own, a compiled target's graphs are its own, and another one's in the same process (an earlier run of a
+    sweep, frozen on other weights, until ``torch._dynamo.reset()``) never count against its recompile limit."""
+    fn = method.__func__
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return types.MethodType(copy, method.__self__)
+
+
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket holding ``n`` rows; None beyond the largest."""
     return next((b for b in buckets if b >= n), None)
@@ -110,7 +120,7 @@ class CompiledTarget:
                 torch._dynamo.mark_static_address(layer.keys)
                 torch._dynamo.mark_static_address(layer.values)
             torch._dynamo.mark_static_address(self.cache.lengths_t)
-        self.graph = torch.compile(self._hidden, dynamic=False, fullgraph=True, mode=self.options["mode"])
+        self.graph = torch.compile(own_code(self._hidden), dynamic=False, fullgraph=True, mode=self.options["mode"])
         self.compile_s: dict[int, float] = {}
         self.ran: list[tuple[int, int, int, bool]] = []  # the last call's forwards: past, real rows, rows run, compiled
         self.holder: str | None = None
@@ -244,7 +254,8 @@ class CompiledTarget:
         """Refuse (one sentence) compiled forwards whose logits are not the eager model's: ``context`` tokens read
         through the cache, then ``new`` after them, against the same tokens read whole without any cache; and a
         one-token step against the same. Catches a graph that ignores or misreads its cache, a model whose logits
-        are not its output head on its last hidden state, and a compiler that miscompiles."""
+        are not its output head on its last hidden state, and a compiler that miscompiles. After :meth:`warm` (it runs
+        under :func:`no_recompiles`, where even a first compile is an error)."""
         vocab = self.head.weight.shape[0]
         ids = (torch.arange(context + new, device=self.device) * 7 + vocab // 3).remainder(vocab).unsqueeze(0)
         with torch.inference_mode(), no_recompiles():

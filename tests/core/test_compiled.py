@@ -22,7 +22,7 @@ def random_tree(gen: torch.Generator, n: int, vocab: int) -> Tree:
     return tree
 
 
-@pytest.mark.parametrize("size", [1, 3, 8, 13, 40, 70])  # 70: beyond the largest bucket, run uncompiled
+@pytest.mark.parametrize("size", [1, 3, 4, 13, 40, 70])  # buckets 1, 4, 4, 16, 64; 70: beyond them, uncompiled
 def test_a_tree_forward_gives_the_eager_logits_and_hidden_states(tiny_pair, compiled, size):
     pair = compiled(tiny_pair)
     eager = CountedLM(tiny_pair.target.module, "target")
@@ -44,7 +44,7 @@ def test_a_tree_forward_gives_the_eager_logits_and_hidden_states(tiny_pair, comp
     assert pair.target.uncompiled_calls == (3 if size > 64 else 0)  # the 20-token prefill runs bucket 32
 
 
-def test_padding_rows_are_counted_not_hidden(tiny_pair, compiled):
+def test_padding_rows_are_counted_not_hidden(tiny_pair, compiled, compiled_target):
     pair = compiled(tiny_pair)
     ids = prompts_for(tiny_pair, 3)[2][:30]
     with no_recompiles():
@@ -55,11 +55,11 @@ def test_padding_rows_are_counted_not_hidden(tiny_pair, compiled):
         sd = decode(pair, "sd", ids, max_new=10, gamma=2)
         chains = pair.target.stats()
     assert ar.output_ids == sd.output_ids
-    assert plain["padded_tokens"] == bucket_for(30, (1, 2, 4, 8, 16, 32, 64)) - 30  # steps of 1 row: no padding
+    buckets = compiled_target.buckets
+    assert plain["padded_tokens"] == bucket_for(30, buckets) - 30  # steps of 1 row: no padding
     assert plain["padded_flops"] > 0  # every row attends over the whole static cache
-    buckets = (1, 2, 4, 8, 16, 32, 64)
     assert sd.drafted.count(2) >= 2  # chains of 3 rows, one padding row each
-    assert chains["padded_tokens"] == 2 + sum(bucket_for(d + 1, buckets) - (d + 1) for d in sd.drafted)
+    assert chains["padded_tokens"] == bucket_for(30, buckets) - 30 + sum(bucket_for(d + 1, buckets) - (d + 1) for d in sd.drafted)
     assert chains["uncompiled_calls"] == 0
 
 
@@ -109,5 +109,18 @@ def test_a_compiled_target_that_ignores_its_cache_is_refused(tiny_pair):
         target.check()
 
 
-def test_the_compiled_target_passes_its_check(compiled_target):
+def test_the_compiled_target_passes_its_check(compiled_target, compiled):
     compiled_target.check()
+
+
+@pytest.mark.parametrize("name", ["sd", "pld"])
+def test_sampling_through_the_compiled_forwards_draws_what_eager_draws(tiny_pair, compiled, name):
+    """Sampling reads the same logits (up to rounding), so with the same seed a compiled decode draws the eager one's
+    tokens: the compiled path changes nothing but the time (the distribution tests run eagerly in test_methods)."""
+    pair = compiled(tiny_pair)
+    ids = prompts_for(tiny_pair, 8)[5]
+    with no_recompiles():
+        for seed in (1, 2):
+            got = decode(pair, name, ids, max_new=20, temperature=0.8, seed=seed)
+            ref = decode(tiny_pair, name, ids, max_new=20, temperature=0.8, seed=seed)
+            assert got.output_ids == ref.output_ids and got.accept_lengths == ref.accept_lengths
