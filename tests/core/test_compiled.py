@@ -124,3 +124,19 @@ def test_sampling_through_the_compiled_forwards_draws_what_eager_draws(tiny_pair
             got = decode(pair, name, ids, max_new=20, temperature=0.8, seed=seed)
             ref = decode(tiny_pair, name, ids, max_new=20, temperature=0.8, seed=seed)
             assert got.output_ids == ref.output_ids and got.accept_lengths == ref.accept_lengths
+
+
+def test_no_cpp_compiler_is_one_sentence(monkeypatch):
+    """compile=true on a CPU without a C++ compiler: inductor cannot build its kernels; said before anything loads."""
+    from torch._inductor import cpp_builder
+
+    from core.compiled import check_compiler
+
+    def missing():
+        raise RuntimeError("Failed to find C++ compiler. Please specify via CXX environment variable.")
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", missing)
+    with pytest.raises(BenchError, match="needs a C\\+\\+ compiler for torch inductor.*set compile=false"):
+        check_compiler(torch.device("cpu"))
+    with pytest.raises(BenchError, match="compile=true runs on the CPU or on CUDA"):
+        check_compiler(torch.device("mps"))
