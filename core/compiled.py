@@ -20,8 +20,9 @@ How:
   would be NaN), and no real row sees them; they are written past the real rows, then the cache's length moves by the
   real rows only, so the next forward overwrites them. Their cost is counted as waste
   (``core.counting.Counted.padded_tokens`` / ``padded_flops``), never hidden;
-- the output head runs outside the graph, on the rows whose logits are needed (one graph per bucket, whatever
-  ``logits_to_keep`` is);
+- the output head runs inside the graph on every row (frozen and packed with the rest; one graph per bucket, whatever
+  ``logits_to_keep`` is), and the rows whose logits are not kept are counted as waste; an uncompiled forward runs it on
+  the kept rows only;
 - a forward of more rows than the largest bucket (a long prompt's prefill) runs the same code uncompiled (counted as
   ``uncompiled_calls``), as transformers' own compiled ``generate`` runs its prefill eagerly;
 - :meth:`CompiledTarget.warm` compiles every bucket before anything is timed (compile seconds per bucket are in
@@ -120,9 +121,11 @@ class CompiledTarget:
                 torch._dynamo.mark_static_address(layer.keys)
                 torch._dynamo.mark_static_address(layer.values)
             torch._dynamo.mark_static_address(self.cache.lengths_t)
-        self.graph = torch.compile(own_code(self._hidden), dynamic=False, fullgraph=True, mode=self.options["mode"])
+        self.graph = torch.compile(own_code(self._scored), dynamic=False, fullgraph=True, mode=self.options["mode"])
         self.compile_s: dict[int, float] = {}
-        self.ran: list[tuple[int, int, int, bool]] = []  # the last call's forwards: past, real rows, rows run, compiled
+        # The last call's forward: cached positions before it, its real rows, the rows it ran, the rows the output head
+        # ran on, whether it ran compiled.
+        self.ran: list[tuple[int, int, int, int, bool]] = []
         self.holder: str | None = None
 
     # ------------------------------------------------------------------------------------------- the graph
@@ -143,9 +146,17 @@ class CompiledTarget:
         return lm_forward(self.decoder, ids, cache, position_ids=lengths[:, None] + depth,
                           attention_mask=mask).last_hidden_state
 
-    def _run(self, ids: list[int], depth: list[int], sees: torch.Tensor) -> torch.Tensor:
-        """``hidden (n, hidden)`` of ``n`` real rows (``sees (n, n)``), padded to their bucket; the cache's length
-        then grows by n."""
+    def _scored(self, ids: torch.Tensor, depth: torch.Tensor, sees: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a bucket's graph computes: :meth:`_hidden`'s states and the output head on every row, ``(rows, Q,
+        vocab)``. The head is in the graph so that freezing packs it too: it is a fifth of SmolLM2-135M's weights, and
+        run eagerly on k rows it paid the eager kernels' jump at 4 rows that the graph avoids."""
+        hidden = self._hidden(ids, depth, sees)
+        return hidden, self.head(hidden)
+
+    def _run(self, ids: list[int], depth: list[int], sees: torch.Tensor,
+             keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden (n, hidden), logits (len(keep), vocab))`` of ``n`` real rows (``sees (n, n)``), padded to their
+        bucket, the logits of the real rows ``keep`` (indices); the cache's length then grows by n."""
         n = len(ids)
         q = bucket_for(n, self.buckets)
         pad = (q or n) - n
@@ -154,21 +165,23 @@ class CompiledTarget:
         sees_t = torch.eye(n + pad, dtype=torch.bool)
         sees_t[:n, :n] = sees
         self.cache.lengths_t.copy_(torch.tensor(self.cache.lengths), non_blocking=True)
-        self.ran.append((self.cache.lengths[0], n, n + pad, q is not None))
+        self.ran = [(self.cache.lengths[0], n, n + pad, n + pad if q is not None else len(keep), q is not None)]
         self.cache.writer = self
         try:
-            if q is None:
-                hidden = self._hidden(ids_t, depth_t, sees_t.to(self.device)[None])
+            if q is None:  # uncompiled: the head on the kept rows only
+                hidden = self._hidden(ids_t, depth_t, sees_t.to(self.device)[None])[0]
+                logits = self.head(hidden[keep])
             else:
                 if self.options["cuda_graphs"]:
                     torch.compiler.cudagraph_mark_step_begin()
-                hidden = self.graph(ids_t, depth_t, sees_t.to(self.device)[None])
+                hidden, logits = self.graph(ids_t, depth_t, sees_t.to(self.device)[None])
+                hidden, logits = hidden[0], logits[0, keep]
                 if self.options["cuda_graphs"]:
-                    hidden = hidden.clone()  # a replay overwrites its output buffer
+                    hidden = hidden.clone()  # a replay overwrites its output buffers
         finally:
             self.cache.writer = None
         self.cache.lengths[0] += n
-        return hidden[0, :n]
+        return hidden[:n], logits
 
     # ------------------------------------------------------------------------------------------- the forward
 
@@ -196,22 +209,20 @@ class CompiledTarget:
                              f"{cache.max_len} positions (the run's longest prompt and budget, and twice the largest "
                              "bucket); a larger largest bucket makes room.")
         ids = input_ids[0].tolist()
-        self.ran = []
+        if isinstance(logits_to_keep, torch.Tensor):
+            keep = logits_to_keep.to(self.device)
+        else:
+            keep = torch.arange(n - logits_to_keep if logits_to_keep else 0, n, device=self.device)
         if attention_mask is None and position_ids is None:  # causal
-            hidden = self._run(ids, list(range(n)), torch.ones(n, n, dtype=torch.bool).tril())
+            hidden, logits = self._run(ids, list(range(n)), torch.ones(n, n, dtype=torch.bool).tril(), keep)
         else:
             if attention_mask is None or position_ids is None:
                 raise ValueError("a tree forward gives both attention_mask and position_ids")
             visible = attention_mask[0, 0] == 0
             if not bool(visible[:, :past].all()):
                 raise ValueError("the compiled target's rows see the whole cache; this mask hides part of it")
-            hidden = self._run(ids, (position_ids[0] - past).tolist(), visible[:, past:].cpu())
-        if isinstance(logits_to_keep, torch.Tensor):
-            kept = hidden[logits_to_keep]
-        else:
-            kept = hidden[-logits_to_keep:] if logits_to_keep else hidden
-        logits = self.head(kept)[None]
-        return CausalLMOutputWithPast(logits=logits, hidden_states=(hidden[None],) if output_hidden_states else None)
+            hidden, logits = self._run(ids, (position_ids[0] - past).tolist(), visible[:, past:].cpu(), keep)
+        return CausalLMOutputWithPast(logits=logits[None], hidden_states=(hidden[None],) if output_hidden_states else None)
 
     def _refuse_hooks(self) -> None:
         """One sentence when a hook sits on one of the model's modules: it would not run inside a compiled graph
@@ -245,7 +256,8 @@ class CompiledTarget:
                 sync(self.device)
                 start = time.perf_counter()
                 self.cache.reset()
-                self._run([0] * q, list(range(q)), torch.ones(q, q, dtype=torch.bool).tril())
+                self._run([0] * q, list(range(q)), torch.ones(q, q, dtype=torch.bool).tril(),
+                          torch.arange(q, device=self.device))
                 sync(self.device)
                 self.compile_s[q] = round(time.perf_counter() - start, 3)
             self.cache.reset()

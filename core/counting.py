@@ -91,19 +91,21 @@ class CountedLM(Counted):
         self._count(batch, new_tokens, past + new_tokens, head_rows=rows)
         if isinstance(cache, RowCache) and self.compiled is not None:
             out = self.compiled(input_ids, cache, **kwargs)
-            self._count_padding()
+            self._count_padding(rows)
             return out
         return lm_forward(self.module, input_ids, cache, **kwargs)
 
-    def _count_padding(self) -> None:
-        """What the compiled call just made ran beyond its real rows: padding rows, and the static cache's masked
-        columns every row attends to (the output head runs on real rows only, in neither figure)."""
+    def _count_padding(self, kept: int | None) -> None:
+        """What the compiled call just made ran beyond its real rows (``kept``: the real rows whose logits were kept,
+        None: all): padding rows, the output head on rows whose logits nobody reads, and the static cache's masked
+        columns every row attends to."""
         head = 2.0 * self.head_weights
-        for past, real, padded, compiled in self.compiled.ran:
+        for past, real, ran, head_ran, compiled in self.compiled.ran:
             self.uncompiled_calls += not compiled
-            self.padded_tokens += padded - real
-            self.padded_flops += (self.formula(padded, self.compiled.cache.max_len) - head * padded) - (
-                self.formula(real, past + real) - head * real)
+            self.padded_tokens += ran - real
+            kept_rows = real if kept is None else kept
+            self.padded_flops += (self.formula(ran, self.compiled.cache.max_len) - head * (ran - head_ran)) - (
+                self.formula(real, past + real) - head * (real - kept_rows))
 
     def new_cache(self, holder: str):
         """A KV cache for one decode by ``holder`` (a method's name): the compiled forwards' static cache when
