@@ -125,7 +125,7 @@ class CompiledTarget:
         self.compile_s: dict[int, float] = {}
         # The last call's forward: cached positions before it, its real rows, the rows it ran, the rows the output head
         # ran on, whether it ran compiled.
-        self.ran: list[tuple[int, int, int, int, bool]] = []
+        self.ran: tuple[int, int, int, int, bool] | None = None
         self.holder: str | None = None
 
     # ------------------------------------------------------------------------------------------- the graph
@@ -165,7 +165,7 @@ class CompiledTarget:
         sees_t = torch.eye(n + pad, dtype=torch.bool)
         sees_t[:n, :n] = sees
         self.cache.lengths_t.copy_(torch.tensor(self.cache.lengths), non_blocking=True)
-        self.ran = [(self.cache.lengths[0], n, n + pad, n + pad if q is not None else len(keep), q is not None)]
+        self.ran = (self.cache.lengths[0], n, n + pad, n + pad if q is not None else len(keep), q is not None)
         self.cache.writer = self
         try:
             if q is None:  # uncompiled: the head on the kept rows only

@@ -100,12 +100,12 @@ class CountedLM(Counted):
         None: all): padding rows, the output head on rows whose logits nobody reads, and the static cache's masked
         columns every row attends to."""
         head = 2.0 * self.head_weights
-        for past, real, ran, head_ran, compiled in self.compiled.ran:
-            self.uncompiled_calls += not compiled
-            self.padded_tokens += ran - real
-            kept_rows = real if kept is None else kept
-            self.padded_flops += (self.formula(ran, self.compiled.cache.max_len) - head * (ran - head_ran)) - (
-                self.formula(real, past + real) - head * (real - kept_rows))
+        past, real, ran, head_ran, compiled = self.compiled.ran
+        self.uncompiled_calls += not compiled
+        self.padded_tokens += ran - real
+        kept_rows = real if kept is None else kept
+        self.padded_flops += (self.formula(ran, self.compiled.cache.max_len) - head * (ran - head_ran)) - (
+            self.formula(real, past + real) - head * (real - kept_rows))
 
     def new_cache(self, holder: str):
         """A KV cache for one decode by ``holder`` (a method's name): the compiled forwards' static cache when

@@ -71,8 +71,7 @@ def compiled_curve(model, rows: list[int], past: int, repeats: int) -> dict[int,
     times = {(name, k): [] for name in ("compiled", "compiled_plain") for k in rows}
     with torch.inference_mode(), no_recompiles():
         lm_forward(model, ids[:, :past], cache)
-        for start in range(0, past, max(rows)):  # the static cache's prefix, in compiled pieces
-            compiled(ids[:, start:min(start + max(rows), past)], static)
+        compiled(ids[:, :past], static)  # the static cache's prefix (uncompiled where past exceeds every bucket)
         for round_ in range(repeats + 1):
             for k in rows:
                 step = ids[:, past:past + k]
