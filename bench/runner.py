@@ -33,7 +33,7 @@ from bench.results import (
 from bench.validate import validate_run
 from core import metrics
 from core.clock import clocked, sync
-from core.compiled import CompiledTarget, check_compiler, no_recompiles
+from core.compiled import CompiledLM, check_compiler, no_recompiles
 from core.kv_cache import lm_forward
 from core.pair import Pair
 from decoding.sampling import Sampling
@@ -101,28 +101,30 @@ def cost_ratio(pair: Pair, prompt_ids: torch.Tensor, repeats: int = 10) -> float
     return draft / target
 
 
-def compile_target(cfg: DictConfig, pair: Pair, prompts: list[list[int]]) -> CompiledTarget | None:
-    """``compile=true``: the target's forwards compiled per bucket of rows over one static cache sized for
-    ``prompts``, the budget and the warm-up, every bucket compiled and the result checked against the eager model
-    here, before any clock runs; every decode of the run (the baseline's, the method's) then goes through it. None
-    otherwise."""
+def compile_models(cfg: DictConfig, pair: Pair, prompts: list[list[int]]) -> dict[str, CompiledLM]:
+    """``compile=true``: the forwards of the target and of each draft model the run loaded, compiled per bucket of
+    rows over one static cache each, sized for ``prompts``, the budget and the warm-up; every bucket compiled and the
+    result checked against the eager model here, before any clock runs; every decode of the run (the baseline's, the
+    method's) then goes through them. ``{role: compiled}``, empty when eager."""
     if not cfg.get("compile"):
-        return None
-    longest = max((len(p) for p in prompts), default=0)
-    compiled = CompiledTarget(pair.target.module, longest + max(int(cfg.max_new_tokens), 16), tuple(cfg.compile_buckets))
-    log.info("compiling the target's forwards for %d row buckets (untimed)", len(compiled.buckets))
-    compiled.warm()
-    compiled.check()
-    pair.target.compiled = compiled
+        return {}
+    longest = max((len(p) for p in prompts), default=0) + max(int(cfg.max_new_tokens), 16)
+    compiled = {}
+    for lm in (pair.target, *pair.drafts):
+        compiled[lm.role] = CompiledLM(lm.module, longest, tuple(cfg.compile_buckets), role=lm.role)
+        log.info("compiling the %s's forwards for %d row buckets (untimed)", lm.role, len(cfg.compile_buckets))
+        compiled[lm.role].warm()
+        compiled[lm.role].check()
+        lm.compiled = compiled[lm.role]
     return compiled
 
 
 def uncompile(pair: Pair) -> None:
-    """Let go of the compiled target when the run ends: its graphs hold frozen copies of the weights (CPU) or a
+    """Let go of the compiled models when the run ends: their graphs hold frozen copies of the weights (CPU) or a
     CUDA-graph pool, which the next run of a sweep in this process must not decode beside."""
-    if pair.target.compiled is not None:
-        pair.target.compiled = None
-        torch._dynamo.reset()
+    for lm in (pair.target, *pair.drafts):
+        lm.compiled = None
+    torch._dynamo.reset()
 
 
 def method_cfgs(cfg: DictConfig) -> dict[str, DictConfig]:
@@ -258,7 +260,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
     if cfg.get("resume"):
         log.info("resume: %d prompts complete in %s, %d to decode", len(done), run_dir, len(todo))
 
-    methods_, encoded, tensors, ref, own, compiled = {}, [], [], None, {}, None
+    methods_, encoded, tensors, ref, own, compiled = {}, [], [], None, {}, {}
     if todo:
         pair = load_pair(cfg, drafts_needed(mcfgs), checked)  # a missing distilled draft is distilled first
         methods_ = build_methods(cfg, mcfgs, pair)
@@ -270,8 +272,8 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
         prov["kernels"] = pair.kernels  # which CPU kernel each forward size took, and why (timings)
         # The optimised plain-decoding reference, with ar's stop tokens; its cache sized for these prompts.
         ref = reference.build(ref_mode, pair, get_method("ar")({}, pair).eos_ids, encoded, cfg.max_new_tokens)
-        compiled = compile_target(cfg, pair, encoded)
-        prov["compile"] = compiled.describe() if compiled is not None else None
+        compiled = compile_models(cfg, pair, encoded)
+        prov["compile"] = {role: c.describe() for role, c in compiled.items()} or None
         # What each method holds beyond the target (its parts, its tensors), measured once, outside any clock.
         own = {m.name: memory.method_param_bytes(m) for m in [*methods_.values(), *([ref] if ref else [])]}
     else:  # everything is already measured: no model needs loading
@@ -285,13 +287,13 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
     with contextlib.ExitStack() as held:
         if ref is not None:  # its compiled step's caches and CUDA graphs would keep the target alive
             held.callback(ref.close)
-        if compiled is not None:
+        if compiled:
             held.callback(uncompile, pair)
         # The reference is warmed up whatever `warmup` says: compiling its step and recording its CUDA graph are never
         # timed.
         for _ in range(max(int(cfg.warmup), 1) if ref is not None else 0):
             timed_decode(ref, pair, tensors[0], reference.WARMUP_TOKENS, sampling, cfg.seed)
-        if compiled is not None:  # every bucket was compiled at load: a graph compiled again now would be timed
+        if compiled:  # every bucket was compiled at load: a graph compiled again now would be timed
             held.enter_context(no_recompiles())
         for _ in range(int(cfg.warmup) if tensors else 0):  # untimed: first-call allocations, lazy inits, caches
             for m in methods_.values():

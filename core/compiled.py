@@ -1,4 +1,7 @@
-"""The target's forwards compiled for a few fixed shapes (``compile=true``): issue 40, docs/design/static-verification.md.
+"""A causal LM's forwards compiled for a few fixed shapes (``compile=true``): issue 40, docs/design/static-verification.md.
+
+The target's, and each draft model's a method decodes with (``sd``, ``cascade``, ``spechub``, ``gsd``, ``sprinter``):
+one :class:`CompiledLM` per model.
 
 Why: what a speculative method gains depends on what a k-token verification forward costs against a one-token step,
 and an eager forward's cost is set by its kernels' quirks (BLAS blocking on the CPU, kernel launches on a GPU), not by
@@ -14,8 +17,9 @@ How:
   ``fullgraph=True``): on the CPU inductor with weight freezing (weights folded and pre-packed for the bucket's row
   count, as ``core/kernels.py`` does by hand for eager runs), on CUDA ``mode="reduce-overhead"`` (CUDA graphs);
 - what changes per step is a tensor, never a Python number a graph is specialised on: the token ids ``(1, Q)``, each
-  row's depth below the pending token ``(1, Q)``, which rows each row may see ``(1, Q, Q)`` and the cache's length
-  ``(1,)``; the graph derives positions, the cache slots and the ``(1, 1, Q, max_len)`` attention mask from them;
+  row's depth below the pending token ``(1, Q)``, which cache slots each row may see ``(1, Q, max_len)`` (the cached
+  ones, less any a tree hides, and the new rows its mask allows) and the cache's length ``(1,)``; the graph derives
+  positions, the cache slots it writes and the additive attention mask from them;
 - padding rows repeat the first token at the next positions, each sees the prefix and itself (a row that sees nothing
   would be NaN), and no real row sees them; they are written past the real rows, then the cache's length moves by the
   real rows only, so the next forward overwrites them. Their cost is counted as waste
@@ -25,8 +29,8 @@ How:
   the kept rows only;
 - a forward of more rows than the largest bucket (a long prompt's prefill) runs the same code uncompiled (counted as
   ``uncompiled_calls``), as transformers' own compiled ``generate`` runs its prefill eagerly;
-- :meth:`CompiledTarget.warm` compiles every bucket before anything is timed (compile seconds per bucket are in
-  ``run.json``), then :meth:`CompiledTarget.check` refuses, in one sentence, a compiled forward whose logits are not
+- :meth:`CompiledLM.warm` compiles every bucket before anything is timed (compile seconds per bucket are in
+  ``run.json``), then :meth:`CompiledLM.check` refuses, in one sentence, a compiled forward whose logits are not
   the eager model's for the same tokens (after the cache, and without it);
 - timed decodes run under ``torch.compiler.set_stance("fail_on_recompile")`` (:func:`no_recompiles`): a shape or guard
   the warm-up did not see stops the run instead of compiling inside the clock or falling back to eager silently.
@@ -94,19 +98,27 @@ def bucket_for(n: int, buckets: tuple[int, ...]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
-class CompiledTarget:
+def logits_head(module):
+    """What turns ``module``'s last hidden states ``(..., hidden)`` into its logits ``(..., vocab)``: its own
+    ``logits_of`` where it has one (a distilled draft maps its reduced vocabulary onto the full one), else its output
+    head."""
+    return getattr(module, "logits_of", None) or module.get_output_embeddings()
+
+
+class CompiledLM:
     """A causal LM's forwards over one :class:`RowCache`, compiled per bucket of query rows.
 
-    ``module``: a transformers causal LM whose logits are its output head applied to its decoder's last hidden state
-    (checked by :meth:`check`); ``max_len``: the longest sequence a decode holds (prompt plus budget).
+    ``module``: a transformers causal LM (or the harness's distilled draft) whose logits are :func:`logits_head` applied
+    to its decoder's last hidden state (checked by :meth:`check`); ``max_len``: the longest sequence a decode holds
+    (prompt plus budget); ``role``: the model's role in the pair (``target``, ``draft``...), for the sentences.
     """
 
-    def __init__(self, module, max_len: int, buckets: tuple[int, ...] = BUCKETS):
+    def __init__(self, module, max_len: int, buckets: tuple[int, ...] = BUCKETS, role: str = "target"):
         if not buckets or min(buckets) < 1:
             raise BenchError(f"compile_buckets must be row counts >= 1, got {list(buckets)}.")
-        self.module = module
+        self.module, self.role = module, role
         self.decoder = module.get_decoder() if hasattr(module, "get_decoder") else module.model
-        self.head = module.get_output_embeddings()
+        self.head = logits_head(module)
         param = next(module.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
@@ -130,51 +142,57 @@ class CompiledTarget:
 
     # ------------------------------------------------------------------------------------------- the graph
 
-    def _hidden(self, ids: torch.Tensor, depth: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
+    def _hidden(self, ids: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """``hidden (rows, Q, hidden)``: the decoder's last hidden states for ``ids (rows, Q)`` read after each row's
-        cached positions, row i of each at position ``length + depth[i]``, seeing the cache and the rows ``sees
-        (rows, Q, Q)`` marks; the cache is written at slots ``length .. length + Q - 1``."""
-        cache = self.cache
-        rows, q = ids.shape
-        lengths = cache.lengths_t
-        rel = torch.arange(cache.max_len, device=ids.device)[None, :] - lengths[:, None]  # (rows, L): slot - length
-        new = (rel >= 0) & (rel < q)
-        seen = sees.gather(2, rel.clamp(0, q - 1)[:, None, :].expand(rows, q, cache.max_len)) & new[:, None, :]
-        visible = (rel < 0)[:, None, :] | seen  # (rows, Q, L)
+        cached positions, row i of each at position ``length + depth[i]``, seeing the cache slots ``visible (rows, Q,
+        max_len)`` marks (the new rows are written at slots ``length .. length + Q - 1`` first)."""
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=ids.device)
         mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]  # (rows, 1, Q, L), additive
-        return lm_forward(self.decoder, ids, cache, position_ids=lengths[:, None] + depth,
+        return lm_forward(self.decoder, ids, self.cache, position_ids=self.cache.lengths_t[:, None] + depth,
                           attention_mask=mask).last_hidden_state
 
-    def _scored(self, ids: torch.Tensor, depth: torch.Tensor, sees: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _scored(self, ids: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What a bucket's graph computes: :meth:`_hidden`'s states and the output head on every row, ``(rows, Q,
         vocab)``. The head is in the graph so that freezing packs it too: it is a fifth of SmolLM2-135M's weights, and
         run eagerly on k rows it paid the eager kernels' jump at 4 rows that the graph avoids."""
-        hidden = self._hidden(ids, depth, sees)
+        hidden = self._hidden(ids, depth, visible)
         return hidden, self.head(hidden)
 
-    def _run(self, ids: list[int], depth: list[int], sees: torch.Tensor,
+    def _visible(self, n: int, pad: int, seen: torch.Tensor | None, sees: torch.Tensor) -> torch.Tensor:
+        """``(1, n + pad, max_len)``: the cache slots each row sees: row i of the ``n`` real ones the cached slots
+        ``seen (n, past)`` marks (None: all) and the new rows ``sees (n, n)`` marks; a padding row the cached slots
+        and itself (a row that sees nothing would be NaN), and no real row sees a padding row."""
+        past = self.cache.lengths[0]
+        visible = torch.zeros(n + pad, self.cache.max_len, dtype=torch.bool)
+        visible[:, :past] = True
+        if seen is not None:
+            visible[:n, :past] = seen
+        visible[:n, past:past + n] = sees
+        visible[torch.arange(n, n + pad), torch.arange(past + n, past + n + pad)] = True
+        return visible[None].to(self.device)
+
+    def _run(self, ids: list[int], depth: list[int], seen: torch.Tensor | None, sees: torch.Tensor,
              keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(hidden (n, hidden), logits (len(keep), vocab))`` of ``n`` real rows (``sees (n, n)``), padded to their
-        bucket, the logits of the real rows ``keep`` (indices); the cache's length then grows by n."""
+        """``(hidden (n, hidden), logits (len(keep), vocab))`` of ``n`` real rows, padded to their bucket (each row
+        seeing the cached slots ``seen (n, past)`` marks, None: all, and the new rows ``sees (n, n)`` marks), the
+        logits of the real rows ``keep`` (indices); the cache's length then grows by n."""
         n = len(ids)
         q = bucket_for(n, self.buckets)
         pad = (q or n) - n
         ids_t = torch.tensor([ids + [ids[0]] * pad], device=self.device)
         depth_t = torch.tensor([depth + list(range(max(depth) + 1, max(depth) + 1 + pad))], device=self.device)
-        sees_t = torch.eye(n + pad, dtype=torch.bool)
-        sees_t[:n, :n] = sees
+        visible = self._visible(n, pad, seen, sees)
         self.cache.lengths_t.copy_(torch.tensor(self.cache.lengths), non_blocking=True)
         self.ran = (self.cache.lengths[0], n, n + pad, n + pad if q is not None else len(keep), q is not None)
         self.cache.writer = self
         try:
             if q is None:  # uncompiled: the head on the kept rows only
-                hidden = self._hidden(ids_t, depth_t, sees_t.to(self.device)[None])[0]
+                hidden = self._hidden(ids_t, depth_t, visible)[0]
                 logits = self.head(hidden[keep])
             else:
                 if self.options["cuda_graphs"]:
                     torch.compiler.cudagraph_mark_step_begin()
-                hidden, logits = self.graph(ids_t, depth_t, sees_t.to(self.device)[None])
+                hidden, logits = self.graph(ids_t, depth_t, visible)
                 hidden, logits = hidden[0], logits[0, keep]
                 if self.options["cuda_graphs"]:
                     hidden = hidden.clone()  # a replay overwrites its output buffers
@@ -193,19 +211,19 @@ class CompiledTarget:
         the last: the decoder's normed output, as transformers' ``hidden_states[-1]``) when asked for.
 
         ``attention_mask``: None (causal) or the harness's ``(1, 1, n, past + n)`` additive tree mask
-        (``decoding.tree.additive_mask``) with every past column visible; ``position_ids``: None (``past + i``) or
-        ``(1, n)``."""
+        (``decoding.tree.additive_mask``; a cached column it hides stays hidden); ``position_ids``: None (``past + i``)
+        or ``(1, n)``."""
         if cache is not self.cache:
-            raise ValueError("a compiled target reads and writes its own RowCache only")
+            raise ValueError(f"a compiled {self.role} reads and writes its own RowCache only")
         if kwargs:
-            raise ValueError(f"the compiled target takes no {sorted(kwargs)}")
+            raise ValueError(f"the compiled {self.role} takes no {sorted(kwargs)}")
         rows, n = input_ids.shape
         if rows != 1:
-            raise ValueError("the compiled target reads one sequence at a time")
+            raise ValueError(f"the compiled {self.role} reads one sequence at a time")
         self._refuse_hooks()
         past = cache.get_seq_length()
         if past + (bucket_for(n, self.buckets) or n) > cache.max_len:
-            raise BenchError(f"a target forward of {n} rows at position {past} passes the compiled target's cache of "
+            raise BenchError(f"a {self.role} forward of {n} rows at position {past} passes the compiled {self.role}'s cache of "
                              f"{cache.max_len} positions (the run's longest prompt and budget, and twice the largest "
                              "bucket); a larger largest bucket makes room.")
         ids = input_ids[0].tolist()
@@ -214,14 +232,13 @@ class CompiledTarget:
         else:
             keep = torch.arange(n - logits_to_keep if logits_to_keep else 0, n, device=self.device)
         if attention_mask is None and position_ids is None:  # causal
-            hidden, logits = self._run(ids, list(range(n)), torch.ones(n, n, dtype=torch.bool).tril(), keep)
+            hidden, logits = self._run(ids, list(range(n)), None, torch.ones(n, n, dtype=torch.bool).tril(), keep)
         else:
             if attention_mask is None or position_ids is None:
                 raise ValueError("a tree forward gives both attention_mask and position_ids")
-            visible = attention_mask[0, 0] == 0
-            if not bool(visible[:, :past].all()):
-                raise ValueError("the compiled target's rows see the whole cache; this mask hides part of it")
-            hidden, logits = self._run(ids, (position_ids[0] - past).tolist(), visible[:, past:].cpu(), keep)
+            visible = (attention_mask[0, 0] == 0).cpu()
+            seen = None if bool(visible[:, :past].all()) else visible[:, :past]
+            hidden, logits = self._run(ids, (position_ids[0] - past).tolist(), seen, visible[:, past:], keep)
         return CausalLMOutputWithPast(logits=logits[None], hidden_states=(hidden[None],) if output_hidden_states else None)
 
     def _refuse_hooks(self) -> None:
@@ -230,8 +247,8 @@ class CompiledTarget:
         hooked = next((m for m in self.modules if any(foreign(h) for h in (*m._forward_hooks.values(),
                                                                           *m._forward_pre_hooks.values()))), None)
         if hooked is not None:
-            raise BenchError(f"a hook on the target's {type(hooked).__name__} would not run inside its compiled "
-                             "forwards; a method that hooks the target cannot run with compile=true.")
+            raise BenchError(f"a hook on the {self.role}'s {type(hooked).__name__} would not run inside its compiled "
+                             f"forwards; a method that hooks the {self.role} cannot run with compile=true.")
 
     # ------------------------------------------------------------------------------------------- set-up
 
@@ -239,8 +256,8 @@ class CompiledTarget:
         """The run's one cache, emptied, for the decode ``holder`` names; released by :meth:`release`. One sentence
         when another decode holds it (a method that runs a second target decode inside its own)."""
         if self.holder is not None:
-            raise BenchError(f"{holder} asked for the compiled target's cache while {self.holder} holds it: a method "
-                             "that runs two target decodes at once cannot run with compile=true yet.")
+            raise BenchError(f"{holder} asked for the compiled {self.role}'s cache while {self.holder} holds it: a "
+                             f"method that runs two {self.role} decodes at once cannot run with compile=true yet.")
         self.holder = holder
         self.cache.reset()
         return self.cache
@@ -256,7 +273,7 @@ class CompiledTarget:
                 sync(self.device)
                 start = time.perf_counter()
                 self.cache.reset()
-                self._run([0] * q, list(range(q)), torch.ones(q, q, dtype=torch.bool).tril(),
+                self._run([0] * q, list(range(q)), None, torch.ones(q, q, dtype=torch.bool).tril(),
                           torch.arange(q, device=self.device))
                 sync(self.device)
                 self.compile_s[q] = round(time.perf_counter() - start, 3)
@@ -268,12 +285,12 @@ class CompiledTarget:
         one-token step against the same. Catches a graph that ignores or misreads its cache, a model whose logits
         are not its output head on its last hidden state, and a compiler that miscompiles. After :meth:`warm` (it runs
         under :func:`no_recompiles`, where even a first compile is an error)."""
-        vocab = self.head.weight.shape[0]
+        vocab = self.module.get_input_embeddings().num_embeddings
         ids = (torch.arange(context + new, device=self.device) * 7 + vocab // 3).remainder(vocab).unsqueeze(0)
         with torch.inference_mode(), no_recompiles():
             whole = lm_forward(self.module, ids).logits[0].float()
             alone = lm_forward(self.module, ids[:, context:]).logits[0].float()
-            self.new_cache("the compiled target's check")
+            self.new_cache(f"the compiled {self.role}'s check")
             try:
                 first = self(ids[:, :context], self.cache).logits[0].float()
                 then = self(ids[:, context:], self.cache).logits[0].float()
@@ -283,16 +300,18 @@ class CompiledTarget:
         ref_step = lm_forward(self.module, torch.cat([ids, ids[:, :1]], 1)).logits[0, -1:].float()
         got = torch.cat([first, then, step])
         ref = torch.cat([whole, ref_step])
-        error = (got - ref).abs().max().item()
-        scale = ref.abs().max().item()
-        context_effect = (alone - whole[context:]).abs().max().item()
+        # A distilled draft's logits are -inf outside its vocabulary: those must be the same entries, and the rest close.
+        finite = ref.isfinite()
+        error = (got - ref)[finite].abs().max().item() if bool((got.isfinite() == finite).all()) else float("inf")
+        scale = ref[finite].abs().max().item()
+        context_effect = (alone - whole[context:])[finite[context:len(whole)]].abs().max().item()
         tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
         if not error <= tolerance * max(scale, 1.0) or (context_effect > 0 and not error < 0.25 * context_effect):
-            raise BenchError(f"the compiled target's logits are {error:.3g} away from the eager model's for the same "
+            raise BenchError(f"the compiled {self.role}'s logits are {error:.3g} away from the eager model's for the same "
                              f"tokens (largest logit {scale:.3g}); compile=false runs it uncompiled.")
 
     def describe(self) -> dict:
-        """What ``run.json`` says about the compiled target."""
+        """What ``run.json`` says about the compiled model."""
         return {**self.options, "buckets": list(self.buckets), "compile_s": dict(self.compile_s),
                 "cache_positions": self.cache.max_len, "cache_bytes": self.cache.nbytes,
                 "torch": torch.__version__}

@@ -15,7 +15,6 @@ from transformers import DynamicCache
 
 from core.flops import FlopFormula
 from core.kv_cache import lm_forward
-from core.static_cache import RowCache
 
 
 class Counted:
@@ -37,7 +36,8 @@ class Counted:
         # static cache's masked columns cost beyond the real rows' (not in ``tokens`` or ``flops``).
         self.padded_tokens = 0
         self.padded_flops = 0.0
-        self.uncompiled_calls = 0  # forwards of more rows than the largest bucket, run uncompiled
+        # Forwards of a compiled model run uncompiled: more rows than the largest bucket, or not on its static cache.
+        self.uncompiled_calls = 0
 
     def stats(self) -> dict:
         return {"calls": self.calls, "tokens": self.tokens, "flops": self.flops, "padded_tokens": self.padded_tokens,
@@ -71,8 +71,8 @@ class CountedLM(Counted):
         # A synthetic pair's target: the verification forwards' logits are decided by this coin
         # (decoding.set_acceptance.SetAcceptance, applied by decoding.tree.score_tree); None for a real model.
         self.acceptance = None
-        # compile=true: the forwards compiled per bucket of rows over one static cache (core.compiled.CompiledTarget),
-        # which every decode's cache then is (new_cache); None: eager forwards over a DynamicCache each.
+        # compile=true: the forwards compiled per bucket of rows over one static cache (core.compiled.CompiledLM),
+        # which every decode's cache of this model then is (new_cache); None: eager forwards over a DynamicCache each.
         self.compiled = None
         head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
         head = head if head is not None else getattr(module, "head", None)
@@ -89,10 +89,12 @@ class CountedLM(Counted):
         keep = kwargs.get("logits_to_keep", 0)
         rows = len(keep) if isinstance(keep, torch.Tensor) else (keep if keep > 0 else None)
         self._count(batch, new_tokens, past + new_tokens, head_rows=rows)
-        if isinstance(cache, RowCache) and self.compiled is not None:
-            out = self.compiled(input_ids, cache, **kwargs)
-            self._count_padding(rows)
-            return out
+        if self.compiled is not None:
+            if cache is self.compiled.cache:
+                out = self.compiled(input_ids, cache, **kwargs)
+                self._count_padding(rows)
+                return out
+            self.uncompiled_calls += 1  # compiled, but called with another cache (or none): eager, and counted so
         return lm_forward(self.module, input_ids, cache, **kwargs)
 
     def _count_padding(self, kept: int | None) -> None:

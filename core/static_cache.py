@@ -43,9 +43,9 @@ class RowLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write ``key_states (rows, kv_heads, q, head_dim)`` (and the values) at each row's slots from its length on,
         and return the whole allocation, which the forward's mask limits to what each query may see."""
-        if self.owner.writer is None:  # lengths_t is set for the forward that CompiledTarget runs, and only then
-            raise RuntimeError("a RowCache is written by the compiled target's own forwards only (this forward did "
-                               "not go through core.compiled.CompiledTarget)")
+        if self.owner.writer is None:  # lengths_t is set for the forward that CompiledLM runs, and only then
+            raise RuntimeError("a RowCache is written by its compiled model's own forwards only (this forward did "
+                               "not go through core.compiled.CompiledLM)")
         rows, heads, q, dim = key_states.shape
         slots = self.owner.lengths_t[:, None] + torch.arange(q, device=key_states.device)  # (rows, q)
         index = slots[:, None, :, None].expand(rows, heads, q, dim)
@@ -82,7 +82,7 @@ class RowCache(Cache):
         self.max_len = max_len
         self.lengths = [0] * rows
         self.lengths_t = torch.zeros(rows, dtype=torch.long, device=device)
-        self.writer = None  # the forward writing now (set by core.compiled.CompiledTarget around each call)
+        self.writer = None  # the forward writing now (set by core.compiled.CompiledLM around each call)
         super().__init__(layers=[RowLayer(self, torch.zeros(shape, dtype=dtype, device=device),
                                           torch.zeros(shape, dtype=dtype, device=device))
                                  for _ in range(config.num_hidden_layers)])

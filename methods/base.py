@@ -24,7 +24,6 @@ from functools import cached_property
 import torch
 from omegaconf import DictConfig, OmegaConf
 from pydantic import Field
-from transformers import DynamicCache
 
 from core.errors import BenchError
 from core.pair import Pair
@@ -221,18 +220,16 @@ class PromptState:
         self.on_tokens = on_tokens
         self.seq: list[int] = prompt_ids[0].tolist()
         self.prompt_len = len(self.seq)
-        # The target's cache: a new DynamicCache, or with compile=true the compiled forwards' one static cache, given
-        # back when the decode ends (closing).
-        self.cache = self.pair.target.new_cache(method.name)
+        # Contexts the prompt opens (a hook on a model, a compiled model's cache) and the decode closes when it ends, by
+        # an error too.
+        self.closing = ExitStack()
+        self.cache = self.own_cache(self.pair.target)  # the target's
         self.caches: list = []
         self.accept_lengths: list[int] = []
         self.drafted: list[int] = []
         self.done = False
         self.prompt_hidden: torch.Tensor | None = None  # (prompt_len, hidden) for methods with hidden = True
         self.prompt_logits: torch.Tensor | None = None  # (prompt_len, vocab) for methods with prompt_logits = True
-        # Contexts the prompt opens (a hook on a model) and the decode closes when it ends, by an error too.
-        self.closing = ExitStack()
-        self.closing.callback(self.pair.target.release_cache, self.cache)
 
     @property
     def out(self) -> list[int]:
@@ -246,10 +243,17 @@ class PromptState:
         """Roll ``cache`` back with the target's after each commit (a draft's cache, say)."""
         self.caches.append(cache)
 
-    def draft_cache(self, draft) -> DynamicCache:
+    def own_cache(self, lm):
+        """An empty KV cache of ``lm`` (a ``CountedLM``) for this decode: its compiled forwards' static cache when
+        compiled (given back when the decode ends), else a new ``DynamicCache``."""
+        cache = lm.new_cache(self.method.name)
+        self.closing.callback(lm.release_cache, cache)
+        return cache
+
+    def draft_cache(self, draft):
         """A KV cache of ``draft`` (a ``CountedLM``) that has read the prompt (its cost, counted) and is tracked;
         afterwards a method feeds it only what it has not read (``seq[cache.get_seq_length():]``)."""
-        cache = DynamicCache()
+        cache = self.own_cache(draft)
         draft(self.prompt_ids, cache, logits_to_keep=1)
         self.track(cache)
         return cache

@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from pydantic import Field, NonNegativeInt, model_validator
-from transformers import DynamicCache
 
 from core.corpus import Corpus
 from core.errors import BenchError
@@ -51,11 +50,10 @@ DEFAULT_K = {
 
 
 class ModelLevel:
-    """A draft model with its own KV cache and the token ids that cache holds."""
+    """A draft model with its own KV cache (``cache``, empty at first) and the token ids that cache holds."""
 
-    def __init__(self, lm, name: str):
-        self.lm, self.name = lm, name
-        self.cache = DynamicCache()
+    def __init__(self, lm, cache):
+        self.lm, self.name, self.cache = lm, lm.role, cache
         self.toks: list[int] = []
 
     def score(self, ctx: list[int], proposal: list[int], device) -> torch.Tensor:
@@ -227,7 +225,7 @@ class Cascade(DraftVerify):
         state.lenience = self.cfg.lenience if state.sampling.greedy else 1
         state.index = NGramIndex(self.cfg.min_ngram, self.cfg.max_ngram)
         state.index.add_document(state.seq)
-        drafts = [ModelLevel(d, d.role) for d in self.pair.drafts[:2]]
+        drafts = [ModelLevel(d, state.own_cache(d)) for d in self.pair.drafts[:2]]
         state.levels = [TargetLevel(), *drafts, StatLevel(state.index, self.bigram)]
         state.reviews = {}
 

@@ -14,7 +14,7 @@ take on the CPU in fp32:
 - ``packed``: the oneDNN-packed weights for every row count;
 - ``chosen``: what a run takes (per size, the kernel timed faster at load: ``core.kernels.choose_kernels``).
 
-With ``--compiled``, also ``compiled``: the forward as ``compile=true`` runs it (``core.compiled.CompiledTarget``, a
+With ``--compiled``, also ``compiled``: the forward as ``compile=true`` runs it (``core.compiled.CompiledLM``, a
 graph per k on its static cache, the linears on ``F.linear`` for inductor to pack), timed in rounds of its own with
 ``plain`` again beside it (``compiled_plain_ms``), so the two compare within one set of rounds. Compiling costs
 about a minute per k for SmolLM2-135M on 2 cores (untimed).
@@ -56,7 +56,7 @@ def compiled_curve(model, rows: list[int], past: int, repeats: int) -> dict[int,
     from transformers import DynamicCache
 
     from core.clock import clocked
-    from core.compiled import CompiledTarget, no_recompiles
+    from core.compiled import CompiledLM, no_recompiles
     from core.kv_cache import lm_forward
 
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
@@ -65,7 +65,7 @@ def compiled_curve(model, rows: list[int], past: int, repeats: int) -> dict[int,
     device = next(model.parameters()).device
     vocab = model.get_input_embeddings().num_embeddings
     ids = torch.arange(past + max(rows), device=device).remainder(vocab).unsqueeze(0)
-    compiled = CompiledTarget(model, past + max(rows), tuple(rows))
+    compiled = CompiledLM(model, past + max(rows), tuple(rows))
     compiled.warm()
     cache, static = DynamicCache(), compiled.new_cache("verify_cost")
     times = {(name, k): [] for name in ("compiled", "compiled_plain") for k in rows}

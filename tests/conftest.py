@@ -83,34 +83,54 @@ def looping_prompt(tiny_pair):
 
 
 @pytest.fixture(scope="session")
-def compiled_target(tiny_pair):
+def compiled_lm(tiny_pair):
     """The tiny target's forwards compiled per bucket of rows (core.compiled), every bucket compiled once for the
     session (half a minute on 2 cores; again after a run's ``torch._dynamo.reset()``); its cache holds the longest
     builtin prompt plus a budget."""
-    from core.compiled import CompiledTarget
+    from core.compiled import CompiledLM
 
     # Four buckets (a run's default is seven) keep the compile short; every path is still taken: padded and exact
     # buckets, and forwards beyond the largest.
-    target = CompiledTarget(tiny_pair.target.module, max_len=1024, buckets=(1, 4, 16, 64))
+    target = CompiledLM(tiny_pair.target.module, max_len=1024, buckets=(1, 4, 16, 64))
     target.warm()
     return target
 
 
+@pytest.fixture(scope="session")
+def compiled_drafts():
+    """The draft models' compiled forwards, made the first time a test's pair has that draft: ``{id(module):
+    CompiledLM}`` (each holds its module, so no id is reused)."""
+    return {}
+
+
 @pytest.fixture
-def compiled(compiled_target):
-    """``compiled(pair)``: ``pair`` whose target (the tiny one) runs through the session's compiled forwards, with a
-    role table of its own; the cache is given back after the test, whatever happened."""
+def compiled(compiled_lm, compiled_drafts):
+    """``compiled(pair)``: ``pair`` whose target (the tiny one) and draft models run through compiled forwards (the
+    session's), with a role table of its own; the caches are given back after the test, whatever happened."""
     import dataclasses
 
+    from core.compiled import CompiledLM
     from core.counting import CountedLM
 
-    compiled_target.warm()  # instant while its graphs live; compiles them again after a run's torch._dynamo.reset()
+    compiled_lm.warm()  # instant while its graphs live; compiles them again after a run's torch._dynamo.reset()
+    used = [compiled_lm]
+
+    def _counted(lm: CountedLM, graphs: CompiledLM) -> CountedLM:
+        graphs.warm()
+        used.append(graphs)
+        counted = CountedLM(lm.module, lm.role)
+        counted.compiled = graphs
+        return counted
 
     def _compiled(pair):
-        assert pair.target.module is compiled_target.module
-        target = CountedLM(pair.target.module, "target")
-        target.compiled = compiled_target
-        return dataclasses.replace(pair, target=target, roles={})
+        assert pair.target.module is compiled_lm.module
+        drafts = []
+        for draft in pair.drafts:
+            if id(draft.module) not in compiled_drafts:  # a draft's forwards: chains, prefills, small trees
+                compiled_drafts[id(draft.module)] = CompiledLM(draft.module, 1024, (1, 4, 16), role=draft.role)
+            drafts.append(_counted(draft, compiled_drafts[id(draft.module)]))
+        return dataclasses.replace(pair, target=_counted(pair.target, compiled_lm), drafts=drafts, roles={})
 
     yield _compiled
-    compiled_target.release()
+    for graphs in used:
+        graphs.release()

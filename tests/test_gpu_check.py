@@ -20,7 +20,7 @@ def test_the_device_check_dry_runs_on_the_cpu(tmp_path):
     assert ref["ar_static"]["speedup_median"] > 0 and ref["ar"]["speedup_vs_ref"] > 0
     # compile=true against eager (sd and ar on the synthetic pair): both runs, the compiled one's buckets in its run.json.
     assert {(r["label"], r["compile"]) for r in check["compiled"]} == {(m, c) for m in ("ar", "sd") for c in (True, False)}
-    assert json.loads((tmp_path / "compiled" / "run.json").read_text())["compile"]["buckets"] == [1, 8]
+    assert json.loads((tmp_path / "compiled" / "run.json").read_text())["compile"]["target"]["buckets"] == [1, 8]
     rows = {(r["method"], r["acceptance_set"]) for r in check["synthetic"]}
     assert rows == {(m, a) for m in ("sd", "pld", "recycling") for a in (0.6, 0.9)}
     assert check["walk"]["status"] == "passed", (tmp_path / "walk.log").read_text()[-2000:]

@@ -99,14 +99,23 @@ class DraftLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.head
 
+    def get_decoder(self):
+        return self.body
+
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``(..., full_vocab)`` logits of last hidden states ``(..., hidden)``: the head's over the drafting
+        vocabulary, ``-inf`` elsewhere (a compiled forward, core.compiled, runs this on its decoder's output too)."""
+        sub = self.head(hidden)
+        logits = sub.new_full((*sub.shape[:-1], self.config.vocab_size), float("-inf"))
+        logits[..., self.vocab_map] = sub
+        return logits
+
     def forward(self, input_ids, output_hidden_states=False, logits_to_keep: int = 0, **kwargs):
         # kwargs: the cache and use_cache as core.kv_cache.lm_forward passes them, positions, masks.
         kwargs = {k: v for k, v in kwargs.items() if k not in ("return_dict", "output_attentions")}
         out = self.body(input_ids=input_ids, **kwargs)
         hidden = out.last_hidden_state
-        sub = self.head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
-        logits = sub.new_full((*sub.shape[:-1], self.config.vocab_size), float("-inf"))
-        logits[..., self.vocab_map] = sub
+        logits = self.logits_of(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         return output_with_cache(CausalLMOutputWithPast, cache_of(out), logits=logits, hidden_states=(hidden,))
 
 

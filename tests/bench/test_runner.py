@@ -83,17 +83,23 @@ def test_lossy_mismatches_carry_their_divergence(compose_cfg, tmp_path):
 
 
 def test_a_compiled_run_says_what_it_compiled(compose_cfg, tmp_path):
-    """``compile=true``: the baseline and the method decode through the same compiled forwards, greedy-equal; every
-    record says so, and run.json names the buckets and each one's compile seconds (taken before any clock)."""
+    """``compile=true``: the baseline and the method decode through the same compiled forwards, the method's draft
+    model through its own, greedy-equal; every record says so, and run.json names each model's buckets and each one's
+    compile seconds (taken before any clock)."""
     from bench.runner import run
 
-    cfg = compose_cfg("pair=tiny", "method=pld", "compile=true", "compile_buckets=[1,16]", "max_new_tokens=12",
+    cfg = compose_cfg("pair=tiny", "method=sd", "compile=true", "compile_buckets=[1,16]", "max_new_tokens=12",
                       "dataset.n_prompts=2", "warmup=1")
     run(cfg, tmp_path)
     records = read_records(tmp_path / "records.jsonl")
-    assert sorted(r["method"] for r in records) == ["ar", "ar", "pld", "pld"]
+    assert sorted(r["method"] for r in records) == ["ar", "ar", "sd", "sd"]
     assert all(r["compile"] is True for r in records)
-    assert all(r["matches_baseline"] for r in records if r["method"] == "pld")
+    assert all(r["matches_baseline"] for r in records if r["method"] == "sd")
+    # Every draft forward ran compiled but the prompt's (beyond 16 rows, as the target's): its one-token steps too.
+    assert all(r["uncompiled_calls"] == {"target": 1, "draft": 1} and r["calls"]["draft"] > 1 for r in records
+               if r["method"] == "sd")
     prov = json.loads((tmp_path / "run.json").read_text())
-    assert prov["compile"]["buckets"] == [1, 16] and set(prov["compile"]["compile_s"]) == {"1", "16"}
+    assert set(prov["compile"]) == {"target", "draft"}
+    for role in ("target", "draft"):
+        assert prov["compile"][role]["buckets"] == [1, 16] and set(prov["compile"][role]["compile_s"]) == {"1", "16"}
     assert prov["kernels"] == {}  # no packed weights under compile: inductor's freezing packs per graph

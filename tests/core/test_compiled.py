@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from core.compiled import CompiledTarget, bucket_for, no_recompiles
+from core.compiled import CompiledLM, bucket_for, no_recompiles
 from core.counting import CountedLM
 from core.errors import BenchError
 from core.kv_cache import lm_forward
@@ -44,7 +44,30 @@ def test_a_tree_forward_gives_the_eager_logits_and_hidden_states(tiny_pair, comp
     assert pair.target.uncompiled_calls == (3 if size > 64 else 0)  # the 20-token prefill runs bucket 32
 
 
-def test_padding_rows_are_counted_not_hidden(tiny_pair, compiled, compiled_target):
+
+def test_a_level_of_a_tree_read_after_its_cousins_gives_the_eager_logits(tiny_pair, compiled):
+    """How a draft reads a tree level by level (decoding.tree.read_nodes; spechub, gsd): the cached nodes of earlier
+    levels that are not a node's ancestors are hidden from it, which the compiled forward's mask keeps hidden."""
+    from decoding.tree import read_nodes
+
+    pair = compiled(tiny_pair)
+    eager = CountedLM(tiny_pair.target.module, "target")
+    gen = torch.Generator().manual_seed(3)
+    vocab = tiny_pair.target.module.config.vocab_size
+    prompt = torch.randint(vocab, (1, 12), generator=gen)
+    tree = Tree(int(prompt[0, -1]))
+    for parent in (0, 0, 0, 1, 2, 3, 3):  # root; three children; one or two grandchildren each
+        tree.add_child(parent, int(torch.randint(vocab, (1,), generator=gen)), merge=False)
+    with torch.inference_mode(), no_recompiles():
+        got, ref = [], []
+        for counted, cache, out in ((pair.target, pair.target.new_cache("test"), got), (eager, DynamicCache(), ref)):
+            counted(prompt, cache)  # the text up to the pending token, the tree's root
+            for level, cached in (([1, 2, 3], []), ([4, 5, 6, 7], [1, 2, 3])):
+                out.append(read_nodes(counted, cache, tree, level, cached, prompt.shape[1] - 1))
+    assert pair.target.uncompiled_calls == 0
+    torch.testing.assert_close(torch.cat(got), torch.cat(ref), rtol=1e-4, atol=1e-4)
+
+def test_padding_rows_are_counted_not_hidden(tiny_pair, compiled, compiled_lm):
     pair = compiled(tiny_pair)
     ids = prompts_for(tiny_pair, 3)[2][:30]
     with no_recompiles():
@@ -55,7 +78,7 @@ def test_padding_rows_are_counted_not_hidden(tiny_pair, compiled, compiled_targe
         sd = decode(pair, "sd", ids, max_new=10, gamma=2)
         chains = pair.target.stats()
     assert ar.output_ids == sd.output_ids
-    buckets = compiled_target.buckets
+    buckets = compiled_lm.buckets
     assert plain["padded_tokens"] == bucket_for(30, buckets) - 30  # steps of 1 row: no padding
     assert plain["padded_flops"] > 0  # every row attends over the whole static cache
     assert sd.drafted.count(2) >= 2  # chains of 3 rows, one padding row each
@@ -73,18 +96,18 @@ def test_a_hook_on_the_target_is_refused(tiny_pair, compiled):
         handle.remove()
 
 
-def test_the_cache_is_written_by_the_compiled_forwards_only(tiny_pair, compiled_target, compiled):
-    cache = compiled_target.new_cache("test")
-    with torch.inference_mode(), pytest.raises(RuntimeError, match="written by the compiled target's own forwards"):
+def test_the_cache_is_written_by_the_compiled_forwards_only(tiny_pair, compiled_lm, compiled):
+    cache = compiled_lm.new_cache("test")
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="written by its compiled model's own forwards"):
         lm_forward(tiny_pair.target.module, torch.tensor([[1, 2, 3]]), cache)
 
 
-def test_one_decode_holds_the_cache_at_a_time(compiled_target, compiled):
-    compiled_target.new_cache("sd")
+def test_one_decode_holds_the_cache_at_a_time(compiled_lm, compiled):
+    compiled_lm.new_cache("sd")
     with pytest.raises(BenchError, match="while sd holds it"):
-        compiled_target.new_cache("ar")
-    compiled_target.release()
-    compiled_target.new_cache("ar")
+        compiled_lm.new_cache("ar")
+    compiled_lm.release()
+    compiled_lm.new_cache("ar")
 
 
 def test_a_cache_too_small_for_a_forward_is_one_sentence(tiny_pair, compiled):
@@ -93,24 +116,24 @@ def test_a_cache_too_small_for_a_forward_is_one_sentence(tiny_pair, compiled):
         pair.target(torch.zeros(1, 2000, dtype=torch.long), pair.target.new_cache("test"))
 
 
-class ForgetfulTarget(CompiledTarget):
+class ForgetfulTarget(CompiledLM):
     """A compiled target whose graph reads its new rows without the cache: what a model that swallows the cache
     keyword, or a stale frozen graph, would compute."""
 
-    def _hidden(self, ids, depth, sees):
+    def _hidden(self, ids, depth, visible):
         self.cache.lengths_t.zero_()
-        return super()._hidden(ids, depth, sees)
+        return super()._hidden(ids, depth, visible)
 
 
-def test_a_compiled_target_that_ignores_its_cache_is_refused(tiny_pair):
+def test_a_compiled_lm_that_ignores_its_cache_is_refused(tiny_pair):
     target = ForgetfulTarget(tiny_pair.target.module, max_len=64, buckets=(1,))
     target.warm()
     with pytest.raises(BenchError, match="compiled target's logits are .* away from the eager model's"):
         target.check()
 
 
-def test_the_compiled_target_passes_its_check(compiled_target, compiled):
-    compiled_target.check()
+def test_the_compiled_lm_passes_its_check(compiled_lm, compiled):
+    compiled_lm.check()
 
 
 @pytest.mark.parametrize("name", ["sd", "pld"])
@@ -140,3 +163,22 @@ def test_no_cpp_compiler_is_one_sentence(monkeypatch):
         check_compiler(torch.device("cpu"))
     with pytest.raises(BenchError, match="compile=true runs on the CPU or on CUDA"):
         check_compiler(torch.device("mps"))
+
+
+def test_a_distilled_draft_compiles_with_its_reduced_vocabulary(tiny_pair):
+    """A distilled draft (training.distill.DraftLM) scores a reduced vocabulary, -inf elsewhere: its compiled forwards
+    give the same logits (the same -inf entries), and its check passes."""
+    from training.distill import draft_from_target
+
+    target = tiny_pair.target.module
+    draft = draft_from_target(target, [0], torch.arange(0, target.config.vocab_size, 3)).eval()
+    graphs = CompiledLM(draft, max_len=64, buckets=(4,), role="draft")
+    graphs.warm()
+    graphs.check()
+    ids = torch.tensor([[5, 9, 2, 7, 1, 3]])
+    with torch.inference_mode(), no_recompiles():
+        ref = lm_forward(draft, ids).logits[0]
+        got = graphs(ids, graphs.new_cache("test"), logits_to_keep=3).logits[0]
+    graphs.release()
+    assert torch.equal(got.isinf(), ref[-3:].isinf()) and int(got.isinf().sum()) > 0
+    torch.testing.assert_close(got[got.isfinite()], ref[-3:][got.isfinite()], rtol=1e-4, atol=1e-4)

@@ -65,9 +65,10 @@ def test_lossless_greedy_equals_ar(name, good_pair, tiny_pair):
 
 @pytest.mark.parametrize("name", [m for m in METHODS if get_method(m).lossless])
 def test_lossless_greedy_equals_ar_compiled(name, good_pair, compiled):
-    """With the target's forwards compiled per bucket (compile=true), greedy output stays ar's, and every step takes
-    what it takes eagerly (the same accepted lengths: a method reading stale hidden states from the compiled
-    forwards would draft otherwise); a method that says it cannot run compiled is refused, never silently run."""
+    """With the target's and the draft models' forwards compiled per bucket (compile=true), greedy output stays ar's,
+    and every step takes what it takes eagerly (the same accepted lengths: a method reading stale hidden states from
+    the compiled forwards would draft otherwise); a method that says it cannot run compiled is refused, never silently
+    run."""
     from core.compiled import no_recompiles
     from core.errors import BenchError
 
@@ -76,14 +77,18 @@ def test_lossless_greedy_equals_ar_compiled(name, good_pair, compiled):
     # A prompt within the largest bucket (a compiled prefill) and one beyond it (an uncompiled one).
     prompts = [min(prompts_for(good_pair, 8), key=len), prompts_for(good_pair, 3)[2]]
     if get_method(name).uncompiled:
-        with pytest.raises((BenchError, RuntimeError), match="compile=true|compiled target's own forwards"):
+        with pytest.raises((BenchError, RuntimeError), match="compile=true|compiled model's own forwards"):
             run(method, prompts[0], 8)
         return
     eager = build(good_pair, name)
     with no_recompiles():
         for ids in prompts:
             ref = decode(good_pair, "ar", ids, max_new=24)
-            out, plain = run(method, ids, 24), run(eager, ids, 24)
+            pair.reset_counts()
+            out = run(method, ids, 24)
+            # A draft model's forwards run compiled too (all but a prompt beyond its largest bucket, 16 rows here).
+            assert all(pair.roles[d.role].uncompiled_calls <= 1 for d in pair.drafts), name
+            plain = run(eager, ids, 24)
             assert out.output_ids == ref.output_ids == plain.output_ids, f"{name} compiled differs from ar"
             assert out.accept_lengths == plain.accept_lengths
 
