@@ -11,8 +11,8 @@ of what matters most, each skipped with a note once the time budget is spent:
 4. eager ``ar`` against the optimised plain-decoding reference (bench/reference.py: transformers' ``generate`` on a
    static cache with ``torch.compile``, ``ar_compiled``; ``ar_static``, uncompiled, in the CPU dry run) on the
    synthetic pair of ``--shape`` in ``--dtype``, same prompts: its speedup over ``ar`` and whether its tokens are ar's;
-5. ``compile=true`` (core/compiled.py: the target's forwards compiled per row bucket, CUDA graphs on CUDA; never run
-   on a GPU before): ``--compiled`` (default ``sd``) against ``ar``, both compiled, buckets 1 and 8 only (``sd``'s
+5. ``compile=true`` (core/compiled.py: the target's and the draft's forwards compiled per row bucket, CUDA graphs on
+   CUDA; never run on a GPU before): ``--compiled`` (default ``sd``) against ``ar``, both compiled, buckets 1 and 8 only (``sd``'s
    chains of 5 rows pad to 8; prompts run uncompiled), on the synthetic pair at the first rate, then the same run
    eager, for what time is left: whether the CUDA path runs, stays ar's token for token, and what it changes;
 6. the methods of ``--methods`` (:data:`SYNTHETIC_METHODS`) on a synthetic pair of ``--shape`` (default

@@ -20,7 +20,9 @@ graph per k on its static cache, the linears on ``F.linear`` for inductor to pac
 about a minute per k for SmolLM2-135M on 2 cores (untimed).
 
 ``ratio_*``: the forward's time over the same kernel's one-row forward; the memory roofline says it should stay
-near 1 while k is small (the same weights are read). Prints a table; ``--csv`` writes its rows.
+near 1 while k is small (the same weights are read). ``bound_ms``: that roofline's floor, the **streaming bound**: the
+target's weight bytes over this machine's read bandwidth, measured here (:func:`read_bandwidth`), the least a forward
+that reads every weight once can take. Prints a table; ``--csv`` writes its rows.
 """
 
 from __future__ import annotations
@@ -39,6 +41,17 @@ from bench.cli import compose  # noqa: E402
 from bench.models import load_pair, use_threads  # noqa: E402
 from bench.validate import validate_run  # noqa: E402
 from core.kernels import PACKED, PLAIN, PackedLinear, time_forwards  # noqa: E402
+
+def read_bandwidth(device: torch.device, nbytes: int = 1 << 29, repeats: int = 10) -> float:
+    """Bytes per second this machine reads from memory, as a forward reads its weights: the median time of summing a
+    ``nbytes`` float32 tensor (far larger than any CPU cache) under the harness clock, after an untimed sum."""
+    from core.clock import clocked
+
+    x = torch.ones(nbytes // 4, device=device)
+    x.sum()
+    seconds = statistics.median(clocked(device, torch.sum, x)[1] for _ in range(repeats))
+    return nbytes / seconds
+
 
 def curve(model, rows: list[int], past: int, repeats: int) -> list[dict]:
     """Median ms of a k-token forward after ``past`` cached tokens, per kernel and k (``core.kernels.time_forwards``),
@@ -107,10 +120,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.compiled:
         extra = compiled_curve(model, rows, args.past, args.repeats)
         table = [{**row, **extra[row["k"]]} for row in table]
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())  # tied weights once, as a forward reads them
+    bandwidth = read_bandwidth(pair.device)
+    bound_ms = round(weights / bandwidth * 1e3, 3)
+    table = [{**row, "bound_ms": bound_ms} for row in table]
     from tabulate import tabulate
 
     print(f"{cfg.pair.name} on {pair.device} in {str(pair.dtype).removeprefix('torch.')}, {args.past} cached tokens, "
           f"{torch.get_num_threads()} threads; kernels chosen at load: {pair.kernels.get('target')}")
+    fastest = min(v for k, v in table[0].items() if k.endswith("_ms") and k != "bound_ms")
+    print(f"streaming bound: {weights / 1e6:.0f} MB of weights at {bandwidth / 1e9:.1f} GB/s read = {bound_ms} ms per "
+          f"forward; the fastest one-token forward above ({fastest} ms) runs at {bound_ms / fastest:.0%} of it")
     print(tabulate(table, headers="keys", tablefmt="github"))
     if args.csv:
         import pandas as pd

@@ -203,3 +203,4 @@ def test_verify_cost_times_every_kernel_and_row_count(tmp_path, cache_dir):
     for kernel in ("plain", "packed", "chosen", "compiled"):
         assert (table[f"{kernel}_ms"] > 0).all() and table[f"ratio_{kernel}"].iloc[0] == 1.0
     assert (table["compiled_plain_ms"] > 0).all()
+    assert (table["bound_ms"] > 0).all() and table["bound_ms"].nunique() == 1  # the streaming bound: one per model
