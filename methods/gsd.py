@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 from pydantic import Field
-from transformers import DynamicCache
+from transformers import Cache
 
 from decoding.tree import Tree, keep_path, read_nodes
 from methods.base import DraftVerify, MethodSettings, PromptState, Proposal
@@ -145,7 +145,7 @@ class GSD(DraftVerify):
         """One prompt's drafting: the draft's KV cache, this step's graph and the tree it unrolled to, and the
         tallies summed over steps for ``extra``."""
 
-        dcache: DynamicCache
+        dcache: Cache  # the draft's: a DynamicCache, or its compiled forwards' static one (compile=true)
         past: int  # this step's pending position
         read: list[int]  # graph nodes the draft read this step, in cache order after the pending token
         graph: Graph | None

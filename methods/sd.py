@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 from pydantic import Field, model_validator
-from transformers import DynamicCache
+from transformers import Cache
 
 from core import metrics
 from decoding.sampling import probs_from_logits, sample
@@ -75,7 +75,7 @@ class SD(DraftVerify):
     class State(PromptState):
         """One prompt's drafting: the draft's KV cache and the draft length of the next step."""
 
-        dcache: DynamicCache
+        dcache: Cache  # the draft's: a DynamicCache, or its compiled forwards' static one (compile=true)
         gamma: int
 
     def start(self, state: State) -> None:

@@ -62,7 +62,7 @@ from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
-from transformers import DynamicCache
+from transformers import Cache
 
 from decoding.sampling import probs_from_logits, sample
 from decoding.tree import Tree, keep_path, read_nodes
@@ -113,7 +113,7 @@ class SpecHub(DraftVerify):
     class State(PromptState):
         """One prompt's drafting and root tallies: the draft's KV cache, this step's root, what was kept there."""
 
-        dcache: DynamicCache
+        dcache: Cache  # the draft's: a DynamicCache, or its compiled forwards' static one (compile=true)
         past: int  # this step's pending position, where the draft's tree starts
         root_q: torch.Tensor | None  # the draft's q at the pending token, (vocab,); None when greedy
         root_top: int  # the draft's top token there

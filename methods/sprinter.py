@@ -25,7 +25,7 @@ from collections import Counter
 
 import torch
 from pydantic import Field
-from transformers import DynamicCache
+from transformers import Cache
 
 from core.counting import CountedModule
 from core.errors import BenchError
@@ -71,7 +71,7 @@ class Sprinter(DraftVerify):
     class State(PromptState):
         """One prompt's drafting: the draft's KV cache, the last run's checked token's q, and the run tallies."""
 
-        dcache: DynamicCache
+        dcache: Cache  # the draft's: a DynamicCache, or its compiled forwards' static one (compile=true)
         q_last: torch.Tensor | None  # (vocab,): what the run's last token was drawn from; None when greedy
         stats: Counter  # runs by how they ended, unchecked tokens, checked tokens rejected (see extra)
 

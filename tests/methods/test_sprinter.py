@@ -204,3 +204,21 @@ def test_cli_trains_verifier_and_prints_report(cache_dir):
     assert res.returncode == 0, res.stderr[-2000:]
     report = json.loads(res.stdout[res.stdout.index("{"):])
     assert REPORT_KEYS <= report.keys()
+
+
+def test_compiled_decodes_what_eager_decodes(tiny_pair, compiled):
+    """compile=true: the draft's forwards (and the hidden states the verifier reads from them) and the target's run
+    compiled, and SPRINTER, lossy, still decodes the eager run's tokens with the same flags (a verifier fed stale or
+    misread hidden states would flag otherwise)."""
+    from core.compiled import no_recompiles
+    from tests.helpers import run
+
+    pair = compiled(tiny_pair)
+    ids = min(prompts_for(tiny_pair, 6), key=len)
+    eager, fast = sprinter(tiny_pair, threshold=0.5), sprinter(pair, threshold=0.5)
+    eager.setup(), fast.setup()  # the same verifier (trained once, cached by the models' weights)
+    with no_recompiles():
+        out = run(fast, ids, 24)
+    ref = run(eager, ids, 24)
+    assert out.output_ids == ref.output_ids and out.drafted == ref.drafted
+    assert pair.draft.uncompiled_calls <= 1  # the prompt, if beyond the largest bucket
