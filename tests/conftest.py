@@ -126,8 +126,9 @@ def compiled(compiled_lm, compiled_drafts):
         assert pair.target.module is compiled_lm.module
         drafts = []
         for draft in pair.drafts:
-            if id(draft.module) not in compiled_drafts:  # a draft's forwards: chains, prefills, small trees
-                compiled_drafts[id(draft.module)] = CompiledLM(draft.module, 1024, (1, 4, 16), role=draft.role)
+            # A draft's forwards: one-token steps, small trees and cascade's feeds within 8 rows; prompts beyond.
+            if id(draft.module) not in compiled_drafts:
+                compiled_drafts[id(draft.module)] = CompiledLM(draft.module, 1024, (1, 8), role=draft.role)
             drafts.append(_counted(draft, compiled_drafts[id(draft.module)]))
         return dataclasses.replace(pair, target=_counted(pair.target, compiled_lm), drafts=drafts, roles={})
 

@@ -47,7 +47,7 @@ def test_run_writes_records_and_provenance(tiny_run):
     assert "speedup" in res.stdout and "sd" in res.stdout  # the summary table is printed
 
 
-@pytest.mark.plumbing
+@pytest.mark.newest_only
 @pytest.mark.parametrize("args,needle", [
     (["method=nope"], "unknown method 'nope'; choose one of:"),
     (["pair=nope"], "unknown pair 'nope'"),
@@ -69,7 +69,7 @@ def test_bad_input_one_sentence_exit_2_nothing_written(tmp_path, cache_dir, args
     assert not out.exists()
 
 
-@pytest.mark.plumbing
+@pytest.mark.newest_only
 def test_a_sweep_is_checked_job_by_job_before_any_starts(tmp_path, cache_dir):
     """One bad job in a -m sweep stops the whole sweep before Hydra creates its directory."""
     out = tmp_path / "sweep"
@@ -81,7 +81,7 @@ def test_a_sweep_is_checked_job_by_job_before_any_starts(tmp_path, cache_dir):
     assert not out.exists()
 
 
-@pytest.mark.plumbing
+@pytest.mark.newest_only
 def test_unknown_command(cache_dir):
     res = bench("fly", cache_dir=cache_dir)
     assert res.returncode == 2 and "unknown command 'fly'" in res.stderr

@@ -35,7 +35,7 @@ def test_bench_spine_paths_agree_token_for_token(tmp_path, cache_dir):
     assert 0 <= summary["alpha"] <= 1 and summary["c"] > 0
 
 
-@pytest.mark.plumbing
+@pytest.mark.newest_only
 def test_draft_frontier_reports_every_depth(tmp_path, cache_dir):
     script("draft_frontier.py", "--out", str(tmp_path), "--prompts", "4", "--held-out", "2", "--news-tokens", "256",
            "--depths", "1,2", "--max-gamma", "2", "--repeats", "2", "--recipe", "smoke", "pair=tiny",
@@ -50,7 +50,7 @@ def test_draft_frontier_reports_every_depth(tmp_path, cache_dir):
         assert row["c"] > 0 and row["best_speedup"] > 0 and row["best_gamma"] in (1, 2)
 
 
-@pytest.mark.plumbing
+@pytest.mark.newest_only
 def test_draft_frontier_refuses_a_held_out_share_it_cannot_split(cache_dir):
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "draft_frontier.py"), "--prompts", "4",
                           "--held-out", "4", "pair=tiny"], cwd=ROOT, capture_output=True, text=True, timeout=120,
@@ -59,7 +59,7 @@ def test_draft_frontier_refuses_a_held_out_share_it_cannot_split(cache_dir):
     assert res.stderr.strip() == "error: --held-out (4) must be at least 1 and below --prompts (4)."
 
 
-@pytest.mark.plumbing
+@pytest.mark.newest_only
 def test_teacher_throughput_reports_both_rates(cache_dir):
     res = script("teacher_throughput.py", "--prompts", "4", "--batch", "4", "--new-tokens", "4", "--seqs", "2",
                  "pair=tiny", "recipe.store.seq_len=32", cache_dir=cache_dir)
@@ -70,7 +70,7 @@ def test_teacher_throughput_reports_both_rates(cache_dir):
     assert out["teacher_forced"]["tokens"] == 64 and out["teacher_forced"]["tokens_per_s"] > 0
 
 
-@pytest.mark.plumbing
+@pytest.mark.newest_only
 def test_learning_curve_trains_each_budget_and_the_report_draws_it(tmp_path, cache_dir):
     """Two budgets of the smoke recipe on the tiny pair with a distilled draft: the draft's and the heads'
     held-out agreement per budget, a figure, and the report's learning-curve figure from the folder."""
@@ -96,7 +96,7 @@ def test_learning_curve_trains_each_budget_and_the_report_draws_it(tmp_path, cac
     assert "id='fig-learning_curve'" in page
 
 
-@pytest.mark.plumbing
+@pytest.mark.newest_only
 def test_recipe_report_says_how_to_train_what_is_missing(tmp_path, cache_dir):
     env = {**os.environ, "BENCH_CACHE": str(tmp_path), "PYTHONPATH": str(ROOT)}
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "recipe_report.py"), "pair=tiny", "recipe=smoke",
@@ -105,7 +105,7 @@ def test_recipe_report_says_how_to_train_what_is_missing(tmp_path, cache_dir):
     assert res.returncode == 2 and "python -m bench train method" in res.stderr.strip().splitlines()[-1]
 
 
-@pytest.mark.plumbing
+@pytest.mark.newest_only
 def test_answer_agreement_counts_answer_tokens_only(tmp_path, cache_dir, tiny_pair):
     """The target agrees with its own greedy answers everywhere on answer tokens (1.0), not on the prompt's; the
     script end to end writes one row per prompt set."""
@@ -128,7 +128,7 @@ def test_answer_agreement_counts_answer_tokens_only(tmp_path, cache_dir, tiny_pa
     assert [r["n"] for r in rows] == [18, 2, 2] and all(0 <= r["answer_agreement"] <= 1 for r in rows)
 
 
-@pytest.mark.plumbing
+@pytest.mark.newest_only
 def test_results_page_holds_every_method_from_one_sweep(tmp_path, cache_dir):
     """scripts/results_page.py: one resumable sweep of every registered method, then its table and figure written
     between the page's markers (the text around them kept); run again, it finishes nothing new and rewrites the
@@ -151,7 +151,7 @@ def test_results_page_holds_every_method_from_one_sweep(tmp_path, cache_dir):
         [line for line in text.splitlines() if line.startswith("| ")]
 
 
-@pytest.mark.plumbing
+@pytest.mark.newest_only
 def test_results_page_refuses_to_resume_jobs_from_another_commit(tmp_path, monkeypatch, capsys):
     """A sweep folder holding a job measured at another commit is not resumed silently (the page would mix code
     that times differently): one sentence naming the job, exit 2, nothing run."""
@@ -173,7 +173,7 @@ def test_results_page_refuses_to_resume_jobs_from_another_commit(tmp_path, monke
     assert err.count("\n") == 1
 
 
-@pytest.mark.plumbing
+@pytest.mark.newest_only
 def test_gqa_cost_times_every_variant_and_writes_its_rows(tmp_path, cache_dir):
     """scripts/gqa_cost.py on the tiny shape (4 query heads on 2 key/value heads), one round each: every column
     filled, the copy-free attention equal to transformers' sdpa."""
@@ -191,7 +191,7 @@ def test_gqa_cost_times_every_variant_and_writes_its_rows(tmp_path, cache_dir):
             assert float(row[col]) > 0, col
 
 
-@pytest.mark.plumbing
+@pytest.mark.newest_only
 def test_verify_cost_times_every_kernel_and_row_count(tmp_path, cache_dir):
     """The verification cost curve: each kernel at each k, its ratio to the one-token forward (1 at k = 1)."""
     import pandas as pd

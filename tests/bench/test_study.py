@@ -172,7 +172,7 @@ def test_ray_launcher_config_composes():
     assert compose(["hydra/launcher=ray"], hydra=True).hydra.launcher._target_.endswith("RayLauncher")
 
 
-@pytest.mark.plumbing
+@pytest.mark.newest_only
 def test_local_ray_sweep_writes_every_job(tmp_path, cache_dir):
     """Two jobs on a local Ray cluster started by the launcher itself (seconds on 2 cores)."""
     _needs_ray()
@@ -187,7 +187,7 @@ def _records(path):
     return {r["run_key"]: r for r in read_records(path)}
 
 
-@pytest.mark.plumbing
+@pytest.mark.newest_only
 def test_joblib_sweep_then_resume_skips_complete_and_fills_gaps(tmp_path, cache_dir):
     sweep = tmp_path / "sweep"
     common = ["pair=tiny", "max_new_tokens=6", "warmup=0", f"resume={sweep}"]
@@ -211,7 +211,7 @@ def test_joblib_sweep_then_resume_skips_complete_and_fills_gaps(tmp_path, cache_
         assert prov["resumed"] == {"kept_prompts": 2, "decoded_prompts": 1} and prov["status"] == "complete"
 
 
-@pytest.mark.plumbing
+@pytest.mark.newest_only
 def test_killed_run_loses_nothing_finished_and_resumes(tmp_path, cache_dir, compose_cfg):
     from bench.runner import run
 
@@ -306,7 +306,7 @@ def synthetic(tmp_path):
     return root
 
 
-@pytest.mark.plumbing
+@pytest.mark.newest_only
 def test_table_paired_speedups_ci_and_files(synthetic, tmp_path, capsys):
     from bench.report_cli import table_main
     from bench.saved import load
@@ -349,7 +349,7 @@ def test_table_bad_input(tmp_path):
     assert main(["table", str(tmp_path)]) == 2  # no records.jsonl under it
 
 
-@pytest.mark.plumbing
+@pytest.mark.newest_only
 def test_plot_draws_present_figures_and_skips_absent(synthetic, tmp_path, capsys):
     from bench.report_cli import plot_main
 
@@ -376,7 +376,7 @@ def _chromium():
 REPORT_FIGURES = 8  # the figures of bench.plots.FIGURES that the synthetic runs fill
 
 
-@pytest.mark.plumbing
+@pytest.mark.newest_only
 def test_report_is_one_self_contained_page(synthetic, tmp_path):
     from bench.report_cli import report_main
 
@@ -388,7 +388,7 @@ def test_report_is_one_self_contained_page(synthetic, tmp_path):
     assert "0123456789" in page and "Test CPU" in page  # provenance
 
 
-@pytest.mark.plumbing
+@pytest.mark.newest_only
 @pytest.mark.skipif(_chromium() is None, reason="no chromium binary (apt-get install -y chromium; .ci/run does)")
 def test_report_renders_in_headless_chromium(synthetic, tmp_path):
     from bench.report_cli import report_main

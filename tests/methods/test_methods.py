@@ -86,7 +86,7 @@ def test_lossless_greedy_equals_ar_compiled(name, good_pair, compiled):
             ref = decode(good_pair, "ar", ids, max_new=24)
             pair.reset_counts()
             out = run(method, ids, 24)
-            # A draft model's forwards run compiled too (all but a prompt beyond its largest bucket, 16 rows here).
+            # A draft model's forwards run compiled too (all but a prompt beyond its largest bucket, 8 rows here).
             assert all(pair.roles[d.role].uncompiled_calls <= 1 for d in pair.drafts), name
             plain = run(eager, ids, 24)
             assert out.output_ids == ref.output_ids == plain.output_ids, f"{name} compiled differs from ar"
@@ -103,6 +103,7 @@ def loop_settings(name: str, pair, looping_prompt, folder) -> dict:
     return {"datastore": str(path)}
 
 
+@pytest.mark.newest_only
 @pytest.mark.parametrize("name", [m for m in METHODS if get_method(m).lossless])
 def test_lossless_sampling_follows_the_target(name, good_pair, looping_prompt, tmp_path):
     method = build(good_pair, name, **loop_settings(name, good_pair, looping_prompt, tmp_path))

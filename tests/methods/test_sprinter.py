@@ -183,7 +183,7 @@ def test_roc_auc_by_hand():
     assert (r["accuracy"], r["precision"], r["recall"], r["reject_recall"]) == (0.5, 0.5, 0.5, 0.5)
 
 
-@pytest.mark.plumbing
+@pytest.mark.newest_only
 def test_cli_rejects_bad_threshold_before_loading(tmp_path, cache_dir):
     from tests.bench.test_cli import bench
 
@@ -193,7 +193,7 @@ def test_cli_rejects_bad_threshold_before_loading(tmp_path, cache_dir):
     assert "Traceback" not in res.stderr
 
 
-@pytest.mark.plumbing
+@pytest.mark.newest_only
 def test_cli_trains_verifier_and_prints_report(cache_dir):
     import json
 
