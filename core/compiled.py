@@ -223,8 +223,8 @@ class CompiledLM:
         self._refuse_hooks()
         past = cache.get_seq_length()
         if past + (bucket_for(n, self.buckets) or n) > cache.max_len:
-            raise BenchError(f"a {self.role} forward of {n} rows at position {past} passes the compiled {self.role}'s cache of "
-                             f"{cache.max_len} positions (the run's longest prompt and budget, and twice the largest "
+            raise BenchError(f"a {self.role} forward of {n} rows at position {past} passes the compiled "
+                             f"{self.role}'s cache of {cache.max_len} positions (the run's longest prompt and budget, and twice the largest "
                              "bucket); a larger largest bucket makes room.")
         ids = input_ids[0].tolist()
         if isinstance(logits_to_keep, torch.Tensor):
@@ -300,15 +300,15 @@ class CompiledLM:
         ref_step = lm_forward(self.module, torch.cat([ids, ids[:, :1]], 1)).logits[0, -1:].float()
         got = torch.cat([first, then, step])
         ref = torch.cat([whole, ref_step])
-        # A distilled draft's logits are -inf outside its vocabulary: those must be the same entries, and the rest close.
+        # A distilled draft's logits are -inf outside its vocabulary: the same entries must be, the rest close.
         finite = ref.isfinite()
         error = (got - ref)[finite].abs().max().item() if bool((got.isfinite() == finite).all()) else float("inf")
         scale = ref[finite].abs().max().item()
         context_effect = (alone - whole[context:])[finite[context:len(whole)]].abs().max().item()
         tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
         if not error <= tolerance * max(scale, 1.0) or (context_effect > 0 and not error < 0.25 * context_effect):
-            raise BenchError(f"the compiled {self.role}'s logits are {error:.3g} away from the eager model's for the same "
-                             f"tokens (largest logit {scale:.3g}); compile=false runs it uncompiled.")
+            raise BenchError(f"the compiled {self.role}'s logits are {error:.3g} away from the eager model's for the "
+                             f"same tokens (largest logit {scale:.3g}); compile=false runs it uncompiled.")
 
     def describe(self) -> dict:
         """What ``run.json`` says about the compiled model."""

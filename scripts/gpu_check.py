@@ -12,8 +12,8 @@ of what matters most, each skipped with a note once the time budget is spent:
    static cache with ``torch.compile``, ``ar_compiled``; ``ar_static``, uncompiled, in the CPU dry run) on the
    synthetic pair of ``--shape`` in ``--dtype``, same prompts: its speedup over ``ar`` and whether its tokens are ar's;
 5. ``compile=true`` (core/compiled.py: the target's and the draft's forwards compiled per row bucket, CUDA graphs on
-   CUDA; never run on a GPU before): ``--compiled`` (default ``sd``) against ``ar``, both compiled, buckets 1 and 8 only (``sd``'s
-   chains of 5 rows pad to 8; prompts run uncompiled), on the synthetic pair at the first rate, then the same run
+   CUDA; never run on a GPU before): ``--compiled`` (default ``sd``) against ``ar``, both compiled, buckets 1 and 8
+   only (``sd``'s chains of 5 rows pad to 8; prompts run uncompiled), on the synthetic pair at the first rate, then the same run
    eager, for what time is left: whether the CUDA path runs, stays ar's token for token, and what it changes;
 6. the methods of ``--methods`` (:data:`SYNTHETIC_METHODS`) on a synthetic pair of ``--shape`` (default
    Llama-3.1-8B with Llama-3.2-1B as draft; trained parts untrained) in bf16, at two acceptance rates, each against ``ar`` on the same prompts (``reference=none``: compiling

@@ -116,8 +116,6 @@ def compiled(compiled_lm, compiled_drafts):
     used = [compiled_lm]
 
     def _counted(lm: CountedLM, graphs: CompiledLM) -> CountedLM:
-        graphs.warm()
-        used.append(graphs)
         counted = CountedLM(lm.module, lm.role)
         counted.compiled = graphs
         return counted
@@ -129,7 +127,10 @@ def compiled(compiled_lm, compiled_drafts):
             # A draft's forwards: one-token steps, small trees and cascade's feeds within 8 rows; prompts beyond.
             if id(draft.module) not in compiled_drafts:
                 compiled_drafts[id(draft.module)] = CompiledLM(draft.module, 1024, (1, 8), role=draft.role)
-            drafts.append(_counted(draft, compiled_drafts[id(draft.module)]))
+            graphs = compiled_drafts[id(draft.module)]
+            graphs.warm()  # as the target's above
+            used.append(graphs)
+            drafts.append(_counted(draft, graphs))
         return dataclasses.replace(pair, target=_counted(pair.target, compiled_lm), drafts=drafts, roles={})
 
     yield _compiled
