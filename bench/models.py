@@ -515,7 +515,8 @@ def draft_reports(pair: Pair) -> list[dict]:
     return [draft_report(pair.target.module, pair.tokenizer, s.recipe, pair.teacher) for s in specs if s.source == "distilled"]
 
 
-def load_pair(cfg: DictConfig, n_drafts: int | None = None, checked: dict | None = None) -> Pair:
+def load_pair(cfg: DictConfig, n_drafts: int | None = None, checked: dict | None = None,
+              kept: dict | None = None) -> Pair:
     """Load ``cfg.pair`` (target + drafts) on ``cfg.device`` in ``cfg.dtype``, all in eval mode, each read or
     made there directly (no float32 copy on the host). A distilled draft missing from the cache is distilled
     from this target first when ``cfg.train_if_missing`` (the target loads once per run), else it is an error
@@ -527,6 +528,9 @@ def load_pair(cfg: DictConfig, n_drafts: int | None = None, checked: dict | None
     ``checked``: the typed settings :func:`bench.validate.validate_run` returned for ``cfg``, so a run checks its
     settings once (without them the pair and the recipe are checked here: :func:`pair_settings`). ``cfg.threads`` is
     the caller's to apply (:func:`use_threads`).
+
+    ``kept``: role -> model loaded by an earlier run of the same settings in this process (:mod:`bench.kept`; compiled
+    runs only, whose models are never packed): those are taken from it, the rest loaded and added to it.
     """
     pair_cfg, cache, teacher = pair_settings(cfg, checked)
     device = resolve_device(cfg.device)
@@ -536,10 +540,17 @@ def load_pair(cfg: DictConfig, n_drafts: int | None = None, checked: dict | None
     for i, dspec in enumerate(specs):  # before any weights load: a draft that tokenizes otherwise is refused
         if dspec.source == "hub":
             check_draft_tokenizer(pair_cfg.name, i, dspec, tokenizer)
+    kept = {} if kept is None else kept
     with refused_if_too_large(pair_cfg.name, device):
-        target = _load_target(pair_cfg.target, tokenizer, device, dtype, cache)
-        drafts = [CountedLM(_load_draft(dspec, target, tokenizer, teacher, device, dtype), "draft" if i == 0 else f"draft{i + 1}")
-                  for i, dspec in enumerate(specs)]
+        if "target" not in kept:
+            kept["target"] = _load_target(pair_cfg.target, tokenizer, device, dtype, cache)
+        target = kept["target"]
+        drafts = []
+        for i, dspec in enumerate(specs):
+            role = "draft" if i == 0 else f"draft{i + 1}"
+            if role not in kept:
+                kept[role] = _load_draft(dspec, target, tokenizer, teacher, device, dtype)
+            drafts.append(CountedLM(kept[role], role))
     target = CountedLM(target, "target")
     if pair_cfg.get("acceptance") is not None:
         target.acceptance = SetAcceptance(pair_cfg.acceptance, seed=int(cfg.get("seed", 0)))

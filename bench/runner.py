@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from bench import memory, quality, reference, summary
+from bench import kept, memory, quality, reference, summary
 from bench.data import encode, load_prompts
 from bench.models import load_pair, resolve_device, resolve_dtype, use_threads
 from bench.results import (
@@ -101,30 +101,44 @@ def cost_ratio(pair: Pair, prompt_ids: torch.Tensor, repeats: int = 10) -> float
     return draft / target
 
 
-def compile_models(cfg: DictConfig, pair: Pair, prompts: list[list[int]]) -> dict[str, CompiledLM]:
+def compile_models(cfg: DictConfig, pair: Pair, prompts: list[list[int]], kept: dict | None = None) -> dict[str, CompiledLM]:
     """``compile=true``: the forwards of the target and of each draft model the run loaded, compiled per bucket of
     rows over one static cache each, sized for ``prompts``, the budget and the warm-up; every bucket compiled and the
     result checked against the eager model here, before any clock runs; every decode of the run (the baseline's, the
-    method's) then goes through them. ``{role: compiled}``, empty when eager."""
+    method's) then goes through them. ``kept``: (role, max_len, buckets) -> compiled forwards an earlier run of this
+    process made for the same model (:mod:`bench.kept`), taken from it (warmed again: instant while their graphs live)
+    and checked again; the new ones are added to it. ``{role: compiled}``, empty when eager."""
     if not cfg.get("compile"):
         return {}
+    kept = {} if kept is None else kept
     longest = max((len(p) for p in prompts), default=0) + max(int(cfg.max_new_tokens), 16)
+    buckets = tuple(cfg.compile_buckets)
     compiled = {}
     for lm in (pair.target, *pair.drafts):
-        compiled[lm.role] = CompiledLM(lm.module, longest, tuple(cfg.compile_buckets), role=lm.role)
-        log.info("compiling the %s's forwards for %d row buckets (untimed)", lm.role, len(cfg.compile_buckets))
+        key = (lm.role, longest, buckets)
+        reused = key in kept and kept[key].module is lm.module
+        if not reused:
+            kept[key] = CompiledLM(lm.module, longest, buckets, role=lm.role)
+        compiled[lm.role] = kept[key]
+        compiled[lm.role].reused = reused  # run.json says so
+        log.info("compiling the %s's forwards for %d row buckets (untimed%s)", lm.role, len(buckets),
+                 "; kept from an earlier run" if reused else "")
         compiled[lm.role].warm()
         compiled[lm.role].check()
         lm.compiled = compiled[lm.role]
     return compiled
 
 
-def uncompile(pair: Pair) -> None:
-    """Let go of the compiled models when the run ends: their graphs hold frozen copies of the weights (CPU) or a
-    CUDA-graph pool, which the next run of a sweep in this process must not decode beside."""
+def uncompile(pair: Pair, keep: bool) -> None:
+    """When the run ends: its models stop decoding through the compiled forwards. ``keep``: the run completed and its
+    models and compiled forwards stay in :mod:`bench.kept` for the next compiled run of this process; else they are
+    let go (their graphs hold frozen copies of the weights, or a CUDA-graph pool)."""
     for lm in (pair.target, *pair.drafts):
+        if lm.compiled is not None:
+            lm.compiled.release()
         lm.compiled = None
-    torch._dynamo.reset()
+    if not keep:
+        kept.release()
 
 
 def method_cfgs(cfg: DictConfig) -> dict[str, DictConfig]:
@@ -262,7 +276,13 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
 
     methods_, encoded, tensors, ref, own, compiled = {}, [], [], None, {}, {}
     if todo:
-        pair = load_pair(cfg, drafts_needed(mcfgs), checked)  # a missing distilled draft is distilled first
+        # Compiled: the models and compiled forwards an earlier compiled run of these settings in this process (a
+        # sweep's) kept, if any; eager: nothing kept (an eager run packs its weights in place).
+        slot = kept.slot_for(kept.key_of(cfg, checked)) if cfg.compile else None
+        if slot is None:
+            kept.release()
+        # A missing distilled draft is distilled first.
+        pair = load_pair(cfg, drafts_needed(mcfgs), checked, slot.modules if slot else None)
         methods_ = build_methods(cfg, mcfgs, pair)
         sampling = Sampling(float(cfg.temperature), float(cfg.top_p))
         encoded = [encode(p, pair.tokenizer, cfg.dataset.get("template")) for _, p in todo]
@@ -272,7 +292,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
         prov["kernels"] = pair.kernels  # which CPU kernel each forward size took, and why (timings)
         # The optimised plain-decoding reference, with ar's stop tokens; its cache sized for these prompts.
         ref = reference.build(ref_mode, pair, get_method("ar")({}, pair).eos_ids, encoded, cfg.max_new_tokens)
-        compiled = compile_models(cfg, pair, encoded)
+        compiled = compile_models(cfg, pair, encoded, slot.compiled if slot else None)
         prov["compile"] = {role: c.describe() for role, c in compiled.items()} or None
         # What each method holds beyond the target (its parts, its tensors), measured once, outside any clock.
         own = {m.name: memory.method_param_bytes(m) for m in [*methods_.values(), *([ref] if ref else [])]}
@@ -287,8 +307,9 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
     with contextlib.ExitStack() as held:
         if ref is not None:  # its compiled step's caches and CUDA graphs would keep the target alive
             held.callback(ref.close)
+        ok = False  # every record written: only then are the compiled models kept for the next run
         if compiled:
-            held.callback(uncompile, pair)
+            held.callback(lambda: uncompile(pair, keep=ok))
         # The reference is warmed up whatever `warmup` says: compiling its step and recording its CUDA graph are never
         # timed.
         for _ in range(max(int(cfg.warmup), 1) if ref is not None else 0):
@@ -301,7 +322,6 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
 
         writer = RecordWriter(run_dir, carried)
         records: list[dict] = list(carried)
-        ok = False
         try:
             order = [*methods_.values(), *([ref] if ref is not None else [])]
             for (i, prompt), ids, x in tqdm(list(zip(todo, encoded, tensors)), desc=f"{cfg.method.name} on {cfg.dataset.name}", unit="prompt"):

@@ -135,6 +135,7 @@ class CompiledLM:
             torch._dynamo.mark_static_address(self.cache.lengths_t)
         self.graph = torch.compile(own_code(self._scored), dynamic=False, fullgraph=True, mode=self.options["mode"])
         self.compile_s: dict[int, float] = {}
+        self.reused = False  # made by an earlier run of this process and kept (bench.kept); compile_s say what warming took
         # The last call's forward: cached positions before it, its real rows, the rows it ran, the rows the output head
         # ran on, whether it ran compiled.
         self.ran: tuple[int, int, int, int, bool] | None = None
@@ -312,7 +313,7 @@ class CompiledLM:
 
     def describe(self) -> dict:
         """What ``run.json`` says about the compiled model."""
-        return {**self.options, "buckets": list(self.buckets), "compile_s": dict(self.compile_s),
+        return {**self.options, "buckets": list(self.buckets), "compile_s": dict(self.compile_s), "reused": self.reused,
                 "cache_positions": self.cache.max_len, "cache_bytes": self.cache.nbytes,
                 "torch": torch.__version__}
 

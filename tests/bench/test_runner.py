@@ -103,3 +103,26 @@ def test_a_compiled_run_says_what_it_compiled(compose_cfg, tmp_path):
     for role in ("target", "draft"):
         assert prov["compile"][role]["buckets"] == [1, 16] and set(prov["compile"][role]["compile_s"]) == {"1", "16"}
     assert prov["kernels"] == {}  # no packed weights under compile: inductor's freezing packs per graph
+    assert not any(prov["compile"][role]["reused"] for role in ("target", "draft"))
+
+    # The next job of a sweep in this process (same pair, dataset and buckets): the models and their graphs kept,
+    # nothing compiled again, each checked again; the method needs no draft, which stays kept for a later job.
+    from torch._dynamo.utils import counters
+
+    from bench import kept
+
+    graphs = counters["stats"]["unique_graphs"]
+    run(compose_cfg("pair=tiny", "method=pld", "compile=true", "compile_buckets=[1,16]", "max_new_tokens=12",
+                    "dataset.n_prompts=2", "warmup=1"), tmp_path / "next")
+    assert counters["stats"]["unique_graphs"] == graphs
+    prov = json.loads((tmp_path / "next" / "run.json").read_text())
+    assert set(prov["compile"]) == {"target"} and prov["compile"]["target"]["reused"] is True
+    assert all(r["matches_baseline"] for r in read_records(tmp_path / "next" / "records.jsonl"))
+    assert set(kept.held()) == {"target", "draft"}
+    # Other buckets: the same models, their forwards compiled anew; an eager run lets everything go first.
+    run(compose_cfg("pair=tiny", "method=ar", "compile=true", "compile_buckets=[1,4]", "max_new_tokens=4",
+                    "dataset.n_prompts=1", "warmup=0"), tmp_path / "other")
+    prov = json.loads((tmp_path / "other" / "run.json").read_text())
+    assert prov["compile"]["target"]["reused"] is False and counters["stats"]["unique_graphs"] > graphs
+    run(compose_cfg("pair=tiny", "method=ar", "max_new_tokens=4", "dataset.n_prompts=1", "warmup=0"), tmp_path / "eager")
+    assert kept.held() == {}
