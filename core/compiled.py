@@ -48,6 +48,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from core.clock import sync
 from core.errors import BenchError
 from core.kv_cache import lm_forward
+from core.model_parts import decoder_layers
 from core.static_cache import RowCache
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # query rows a graph is compiled for (SGLang and vLLM capture similar sizes)
@@ -78,10 +79,11 @@ def check_compiler(device: torch.device) -> None:
 
 
 def foreign(hook) -> bool:
-    """Whether a module hook is someone else's than transformers': transformers installs its own on a model's layers
-    the first time a forward asks for hidden states, inert unless a forward records them, which compiled forwards do
-    not ask it to."""
-    return not getattr(hook, "__module__", "").startswith("transformers.")
+    """Whether a module hook is someone else's than transformers' or this module's: transformers installs its own on a
+    model's layers the first time a forward asks for hidden states, inert unless a forward records them, which compiled
+    forwards do not ask it to; :class:`CompiledLM` its own on the decoder layers, which record their inputs inside its
+    forwards only."""
+    return not getattr(hook, "__module__", "").startswith(("transformers.", __name__))
 
 
 def own_code(method):
@@ -133,6 +135,19 @@ class CompiledLM:
                 torch._dynamo.mark_static_address(layer.keys)
                 torch._dynamo.mark_static_address(layer.values)
             torch._dynamo.mark_static_address(self.cache.lengths_t)
+        # Each decoder layer's input (the residual stream entering it), recorded inside the forwards while a method reads
+        # them (core.layer_taps: EAGLE-3's three layers, NEST's last): hooks of this object's own, there before the
+        # graphs are traced, so each graph returns them; a hook added later would not run inside the graphs.
+        self._recording, self._box = False, {}
+        try:
+            blocks = decoder_layers(module)
+        except BenchError:  # a model with its layers elsewhere (a distilled draft): nothing to tap
+            blocks = []
+        self._hooks = [block.register_forward_pre_hook(self._recorder(i), with_kwargs=True)
+                       for i, block in enumerate(blocks)]
+        self.n_layers = len(blocks)
+        self.tapped = 0  # LayerTaps open on this model: while any is, each forward's layer inputs are kept
+        self.layer_inputs: tuple[torch.Tensor, ...] = ()  # (1, n, hidden) per layer, the last forward's real rows
         self.graph = torch.compile(own_code(self._scored), dynamic=False, fullgraph=True, mode=self.options["mode"])
         self.compile_s: dict[int, float] = {}
         self.reused = False  # made by an earlier run of this process and kept (bench.kept); compile_s say what warming took
@@ -152,12 +167,22 @@ class CompiledLM:
         return lm_forward(self.decoder, ids, self.cache, position_ids=self.cache.lengths_t[:, None] + depth,
                           attention_mask=mask).last_hidden_state
 
-    def _scored(self, ids: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a bucket's graph computes: :meth:`_hidden`'s states and the output head on every row, ``(rows, Q,
-        vocab)``. The head is in the graph so that freezing packs it too: it is a fifth of SmolLM2-135M's weights, and
-        run eagerly on k rows it paid the eager kernels' jump at 4 rows that the graph avoids."""
+    def _recorder(self, i: int):
+        """Layer ``i``'s forward pre-hook: its input into :attr:`_box` while :attr:`_recording` (inside
+        :meth:`_run`; a no-op in every other forward of the module, which may run eagerly elsewhere)."""
+        def record(module, args, kwargs):
+            if self._recording:
+                self._box[i] = args[0] if args else kwargs["hidden_states"]
+
+        return record
+
+    def _scored(self, ids: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor) -> tuple:
+        """What a bucket's graph computes: :meth:`_hidden`'s states, the output head on every row, ``(rows, Q,
+        vocab)``, and each decoder layer's input ``(rows, Q, hidden)``, bottom to top. The head is in the graph so that
+        freezing packs it too: it is a fifth of SmolLM2-135M's weights, and run eagerly on k rows it paid the eager
+        kernels' jump at 4 rows that the graph avoids."""
         hidden = self._hidden(ids, depth, visible)
-        return hidden, self.head(hidden)
+        return hidden, self.head(hidden), tuple(self._box.pop(i) for i in range(self.n_layers))
 
     def _visible(self, n: int, pad: int, seen: torch.Tensor | None, sees: torch.Tensor) -> torch.Tensor:
         """``(1, n + pad, max_len)``: the cache slots each row sees: row i of the ``n`` real ones the cached slots
@@ -185,20 +210,24 @@ class CompiledLM:
         visible = self._visible(n, pad, seen, sees)
         self.cache.lengths_t.copy_(torch.tensor(self.cache.lengths), non_blocking=True)
         self.ran = (self.cache.lengths[0], n, n + pad, n + pad if q is not None else len(keep), q is not None)
-        self.cache.writer = self
+        self.cache.writer, self._recording = self, True
         try:
             if q is None:  # uncompiled: the head on the kept rows only
                 hidden = self._hidden(ids_t, depth_t, visible)[0]
                 logits = self.head(hidden[keep])
+                inputs = tuple(self._box.pop(i) for i in range(self.n_layers))
             else:
                 if self.options["cuda_graphs"]:
                     torch.compiler.cudagraph_mark_step_begin()
-                hidden, logits = self.graph(ids_t, depth_t, visible)
+                hidden, logits, inputs = self.graph(ids_t, depth_t, visible)
                 hidden, logits = hidden[0], logits[0, keep]
                 if self.options["cuda_graphs"]:
                     hidden = hidden.clone()  # a replay overwrites its output buffers
         finally:
-            self.cache.writer = None
+            self.cache.writer, self._recording = None, False
+            self._box.clear()
+        # Kept only while a method reads them (copied out of a CUDA graph's buffers, which the next replay overwrites).
+        self.layer_inputs = tuple(x[:, :n].clone() for x in inputs) if self.tapped else ()
         self.cache.lengths[0] += n
         return hidden[:n], logits
 
@@ -266,6 +295,13 @@ class CompiledLM:
     def release(self) -> None:
         self.holder = None
         self.cache.reset()
+
+    def close(self) -> None:
+        """Take this object's hooks off the model's layers (they hold it, its cache and its graphs alive); it must not
+        run again."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def warm(self) -> None:
         """Compile every bucket (untimed), largest first, and keep each one's seconds in :attr:`compile_s`."""

@@ -95,6 +95,7 @@ class CountedLM(Counted):
                 self._count_padding(rows)
                 return out
             self.uncompiled_calls += 1  # compiled, but called with another cache (or none): eager, and counted so
+            self.compiled.layer_inputs = ()  # the compiled forwards did not record this forward's layer inputs
         return lm_forward(self.module, input_ids, cache, **kwargs)
 
     def _count_padding(self, kept: int | None) -> None:

@@ -82,7 +82,10 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(x.shape[-1], 1)
         plain = (
-            not self.uses_packed(rows)
+            # Traced by torch.compile (compile=true): inductor packs the weights per graph itself, and the oneDNN ops
+            # here cannot be traced.
+            torch.compiler.is_compiling()
+            or not self.uses_packed(rows)
             or x.device.type != "cpu"
             or x.dtype != torch.float32
             or self.weight.dtype != torch.float32

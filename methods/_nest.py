@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ import torch
 
 from core.errors import BenchError
 from core.kv_cache import lm_forward
+from core.layer_taps import LayerTaps
 from core.model_parts import decoder_layers
 
 log = logging.getLogger(__name__)
@@ -55,24 +55,6 @@ def documents(corpus: str) -> list[tuple[str, str]]:
 def title_of(text: str) -> str:
     words = text.split()
     return " ".join(words[:TITLE_WORDS]) + (" …" if len(words) > TITLE_WORDS else "")
-
-
-@contextlib.contextmanager
-def key_capture(model: torch.nn.Module):
-    """Within the block, every forward of ``model`` leaves the hidden states entering its last decoder layer in
-    the yielded list (``[FloatTensor (batch, seq, hidden)]``, replaced at each forward): NEST's token keys and
-    queries (the authors' code reads ``hidden_states[-2]``, the same tensor), without asking the model for all
-    of its layers' states."""
-    box: list[torch.Tensor] = []
-
-    def hook(module, args, kwargs):
-        box[:] = [args[0] if args else kwargs["hidden_states"]]
-
-    handle = decoder_layers(model)[-1].register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        yield box
-    finally:
-        handle.remove()
 
 
 @dataclass
@@ -145,8 +127,9 @@ def build(folder: Path, model: torch.nn.Module, tokenizer, settings: dict, batch
     keys = np.lib.format.open_memmap(folder / KEYS, mode="w+", dtype=np.float16, shape=(rows, hidden))
     device = next(model.parameters()).device
     order = sorted(range(len(passages)), key=lambda i: -passages[i]["length"])  # similar lengths batch together
-    with torch.inference_mode(), key_capture(model) as box, tqdm(total=rows, desc="nest: datastore keys",
-                                                                   unit="tok") as bar:
+    last = len(decoder_layers(model)) - 1  # the keys: the states entering the last layer (the authors' hidden_states[-2])
+    with torch.inference_mode(), LayerTaps(model, (last,)) as taps, tqdm(total=rows, desc="nest: datastore keys",
+                                                                         unit="tok") as bar:
         for b in range(0, len(order), batch):
             group = [passages[i] for i in order[b: b + batch]]
             width = max(p["length"] for p in group)
@@ -156,7 +139,7 @@ def build(folder: Path, model: torch.nn.Module, tokenizer, settings: dict, batch
                 x[j, : p["length"]] = torch.from_numpy(tokens[start: start + p["length"]].astype(np.int64))
             # Right padding needs no mask: a causal model's states at a position never read later positions.
             lm_forward(model, x.to(device), logits_to_keep=1)
-            states = box[0].float().cpu().numpy()
+            states = taps.input(last).float().cpu().numpy()
             for j, p in enumerate(group):
                 keys[p["key"]: p["key"] + p["length"] - 1] = states[j, : p["length"] - 1]
                 bar.update(p["length"] - 1)

@@ -58,12 +58,12 @@ from typing import Literal
 import torch
 from pydantic import Field, field_validator
 
+from core.layer_taps import LayerTaps
 from core.metrics import ratio
 from decoding.sampling import probs_from_logits, sample
 from methods._nest import (
     TokenIndex,
     check_folder,
-    key_capture,
     load_or_build_datastore,
     open_given,
 )
@@ -88,7 +88,6 @@ class Mixture:
 @register("nest")
 class Nest(DraftVerify):
     lossless = False  # the output follows the retrieval mixture, not the target: see the module docstring
-    uncompiled = "it reads the target's last layer's input through a hook, which compiled forwards do not run"
 
     class Config(MethodSettings):
         datastore: str | None = Field(None, description="a built NEST datastore folder (cache_dir/nest/datastore-"
@@ -125,7 +124,7 @@ class Nest(DraftVerify):
         """One prompt's retrieval and copying: its passages and their token index, the span in flight, the
         source of every committed token, and the tallies ``extra`` reports."""
 
-        queries: list[torch.Tensor]  # the target's last forward's states entering its last decoder layer
+        queries: LayerTaps  # the target's last forward's states entering its last decoder layer
         retrieved: list[int]  # the passages retrieved for the prompt
         index: TokenIndex  # their token keys, less the positions already copied
         plan: list[tuple[int, int, int]]  # (token, doc, position) to propose next
@@ -141,6 +140,7 @@ class Nest(DraftVerify):
 
     def setup(self, train_if_missing: bool = True) -> None:
         cfg = self.cfg
+        self.last_layer = self.pair.target.module.config.num_hidden_layers - 1  # its input: the queries
         build = {"corpus": cfg.corpus, "doc_tokens": cfg.doc_tokens, "passage_len": cfg.passage_len}
         self.store = (open_given(cfg.datastore, self.pair, build) if cfg.datastore
                       else load_or_build_datastore(self.pair, build, train_if_missing))
@@ -210,8 +210,8 @@ class Nest(DraftVerify):
     # ------------------------------------------------------------------------------------------ the loop
 
     def start(self, state: State) -> None:
-        # From here on every target forward leaves its last layer's input states in state.queries[0]: the queries.
-        state.queries = state.closing.enter_context(key_capture(self.pair.target.module))  # closed by the base
+        # From here on every target forward leaves its last layer's input states in state.queries: the queries.
+        state.queries = state.closing.enter_context(LayerTaps(self.pair.target, (self.last_layer,)))  # the base closes it
         query = self.pair.tokenizer.decode(state.prompt_ids[0].tolist(), skip_special_tokens=True)
         state.retrieved = self.store.retrieve(query, self.cfg.passages)
         state.index = TokenIndex(self.store, state.retrieved, state.device)
@@ -228,7 +228,7 @@ class Nest(DraftVerify):
 
     def verify(self, state: State, proposal: Proposal, logits: torch.Tensor) -> tuple[list[int], int]:
         """Relaxed acceptance of the copied span; the next token from the mixture after the kept prefix."""
-        mix = self.mixture(state.index, logits, state.queries[0][0])
+        mix = self.mixture(state.index, logits, state.queries.input(self.last_layer)[0])
         kept = 0
         for i, (tok, _, _) in enumerate(state.span):  # row i scores the token after node i
             if not self.passes(mix.p[i], tok):

@@ -59,7 +59,7 @@ from transformers.models.llama.modeling_llama import (
 from core.artifacts import Artifact, model_fingerprint
 from core.counting import Counted
 from core.kv_cache import lm_forward
-from core.model_parts import decoder_layers
+from core.layer_taps import LayerTaps
 from training.kit import (
     answer_rows,
     budget,
@@ -108,38 +108,6 @@ def feature_layers(n: int) -> tuple[int, int, int]:
     if len(set(picked)) == 3 and min(picked) >= 0:
         return tuple(sorted(picked))
     return 0, n // 2, max(n - 1, 0)
-
-
-class LayerTaps:
-    """Forward pre-hooks on a causal LM's decoder layers ``layers``: after each forward of the model,
-    :meth:`fused` is the concatenation of those layers' inputs, ``(B, n, 3H)``. A context manager: the hooks are
-    removed on exit."""
-
-    def __init__(self, model: nn.Module, layers: tuple[int, ...]):
-        self.model, self.layers = model, layers
-        self.seen: dict[int, torch.Tensor] = {}
-        self.handles: list = []
-
-    def __enter__(self) -> LayerTaps:
-        blocks = decoder_layers(self.model)
-        for i in dict.fromkeys(self.layers):  # a layer listed twice (a 1- or 2-layer target) is hooked once
-            self.handles.append(blocks[i].register_forward_pre_hook(self._hook(i), with_kwargs=True))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles, self.seen = [], {}
-
-    def _hook(self, i: int):
-        def keep(module, args, kwargs):
-            self.seen[i] = args[0] if args else kwargs["hidden_states"]
-
-        return keep
-
-    def fused(self) -> torch.Tensor:
-        """``(B, n, 3H)``: the three layers' inputs of the model's last forward, low to high."""
-        return torch.cat([self.seen[i] for i in self.layers], dim=-1)
 
 
 @torch.no_grad()

@@ -7,9 +7,10 @@ regression), and is trained by unrolling its own drafting (training-time test). 
 inherited: each step the draft first reads the fused features of the positions committed since the last step
 (their true values, from the verification forward), then drafts the tree (or chain) from its own outputs.
 
-The three layers' features come from forward pre-hooks on the target's decoder layers, opened with the prompt's
-state (before the prefill, whose features the draft reads first) and closed by the loop when the decode ends;
-the target's own forwards are unchanged (the base loop's ``hidden`` flag returns only the last layer's).
+The three layers' features come from :class:`core.layer_taps.LayerTaps` on the target (forward pre-hooks on its
+decoder layers; a compiled target's graphs return them), opened with the prompt's state (before the prefill, whose
+features the draft reads first) and closed by the loop when the decode ends; the target's own forwards are unchanged
+(the base loop's ``hidden`` flag returns only the last layer's).
 
 Candidates are the draft's top-k (tree) or its greedy / sampled tokens (chain), so verification is the shared
 lossless one: greedy output equals ``ar``, sampled output follows the target's distribution. The authors' tree on
@@ -23,10 +24,10 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
+from core.layer_taps import LayerTaps
 from methods.eagle._draft3 import (
     CountedEagle3,
     Eagle3Recipe,
-    LayerTaps,
     eagle3_artifact,
     feature_layers,
     untrained_eagle3,
@@ -55,7 +56,6 @@ class Eagle3Settings(EagleSettings):
 @register("eagle3")
 class Eagle3(Eagle):
     lossless = True
-    uncompiled = "it reads three of the target's layers through hooks, which compiled forwards do not run"
     hidden = False  # the draft reads three layers' inputs through its own hooks, not the last hidden state
     Config = Eagle3Settings
 
@@ -79,14 +79,14 @@ class Eagle3(Eagle):
         self.vocab_map = self.draft.module.vocab_map
 
     class State(Eagle.State):
-        """EAGLE-2's state, and the hooks that hold the target's three layers' inputs of its last forward."""
+        """EAGLE-2's state, and the taps that hold the target's three layers' inputs of its last forward."""
 
         taps: LayerTaps
 
         def __init__(self, method, *args, **kwargs):
             super().__init__(method, *args, **kwargs)
-            # Opened before the prefill; the loop's ``closing`` removes the hooks however the decode ends.
-            self.taps = self.closing.enter_context(LayerTaps(method.pair.target.module, method.layers))
+            # Opened before the prefill; the loop's ``closing`` closes them however the decode ends.
+            self.taps = self.closing.enter_context(LayerTaps(method.pair.target, method.layers))
 
     def start(self, state: State) -> None:
         super().start(state)

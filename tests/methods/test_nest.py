@@ -73,6 +73,21 @@ def test_a_copied_span_is_proposed_kept_and_cited(tiny_pair, article):
     assert _cited_tokens_are_the_sources(method, out, state) == x["attributed_tokens"]
 
 
+def test_compiled_nest_reads_the_queries_the_eager_one_reads(tiny_pair, article, compiled):
+    """compile=true: NEST's queries (the states entering the target's last layer) come out of the compiled forwards'
+    graphs instead of a hook, which would not run inside them: the same copies, kept and cited, the same tokens."""
+    eager = build(tiny_pair, "nest", delta=1.0, gamma=0.0, **NEWS)
+    method = build(compiled(tiny_pair), "nest", delta=1.0, gamma=0.0, **NEWS)
+    want = run(eager, article, 40)
+    got = run(method, article, 40)
+    assert got.output_ids == want.output_ids and got.accept_lengths == want.accept_lengths
+    assert got.extra["spans_proposed"] >= 2
+    # The same spans and sources; the mixture's mean weight only to rounding (the compiled kernels sum otherwise).
+    assert got.extra["retrieval_weight"] == pytest.approx(want.extra["retrieval_weight"], rel=1e-5)
+    assert {**got.extra, "retrieval_weight": 0} == {**want.extra, "retrieval_weight": 0}
+    assert method.pair.target.compiled.tapped == 0  # the taps let go when the decode ended
+
+
 def test_the_relaxed_rule_can_reject(tiny_pair, article):
     # gamma = 1.9: a token stays only with p_M(x) > 0.95 max p_M. The neighbour's token that starts a copy holds
     # the mixture's maximum (retrieval is confident on the article), so copies start; their tokens do not stay.
