@@ -18,8 +18,11 @@ How:
   count, as ``core/kernels.py`` does by hand for eager runs), on CUDA ``mode="reduce-overhead"`` (CUDA graphs);
 - what changes per step is a tensor, never a Python number a graph is specialised on: the token ids ``(1, Q)``, each
   row's depth below the pending token ``(1, Q)``, which cache slots each row may see ``(1, Q, max_len)`` (the cached
-  ones, less any a tree hides, and the new rows its mask allows) and the cache's length ``(1,)``; the graph derives
-  positions, the cache slots it writes and the additive attention mask from them;
+  ones, less any a tree hides, and the new rows its mask allows), the cache's length ``(1,)``, and the rows whose token
+  embedding a method replaces ``(1, Q)`` with their vectors ``(1, Q, hidden)`` (SPACE's mask slots; none for every
+  other); the graph derives positions, the cache slots it writes and the additive attention mask from them;
+- the graphs return each decoder layer's input too (the residual stream, which the forward writes anyway), for methods
+  whose drafters read the target's middle layers (``core.layer_taps``);
 - padding rows repeat the first token at the next positions, each sees the prefix and itself (a row that sees nothing
   would be NaN), and no real row sees them; they are written past the real rows, then the cache's length moves by the
   real rows only, so the next forward overwrites them. Their cost is counted as waste
@@ -148,6 +151,11 @@ class CompiledLM:
         self.n_layers = len(blocks)
         self.tapped = 0  # LayerTaps open on this model: while any is, each forward's layer inputs are kept
         self.layer_inputs: tuple[torch.Tensor, ...] = ()  # (1, n, hidden) per layer, the last forward's real rows
+        # Token embeddings replaced by given vectors at some rows (core.swapped_embeddings: SPACE's mask slots), an
+        # input of every graph: (rows (n,) bool, fill (n, hidden)) for the forwards while it is set, else none.
+        self.embed = module.get_input_embeddings()
+        self.swap: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._no_fill: dict[int, torch.Tensor] = {}  # zeros (1, Q, hidden) per row count: the fill when none is swapped
         self.graph = torch.compile(own_code(self._scored), dynamic=False, fullgraph=True, mode=self.options["mode"])
         self.compile_s: dict[int, float] = {}
         self.reused = False  # made by an earlier run of this process and kept (bench.kept); compile_s say what warming took
@@ -158,14 +166,18 @@ class CompiledLM:
 
     # ------------------------------------------------------------------------------------------- the graph
 
-    def _hidden(self, ids: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    def _hidden(self, ids: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor, swapped: torch.Tensor,
+                fill: torch.Tensor) -> torch.Tensor:
         """``hidden (rows, Q, hidden)``: the decoder's last hidden states for ``ids (rows, Q)`` read after each row's
         cached positions, row i of each at position ``length + depth[i]``, seeing the cache slots ``visible (rows, Q,
-        max_len)`` marks (the new rows are written at slots ``length .. length + Q - 1`` first)."""
+        max_len)`` marks (the new rows are written at slots ``length .. length + Q - 1`` first); where ``swapped (rows,
+        Q)`` is set the token's embedding is ``fill (rows, Q, hidden)`` instead."""
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=ids.device)
         mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]  # (rows, 1, Q, L), additive
-        return lm_forward(self.decoder, ids, self.cache, position_ids=self.cache.lengths_t[:, None] + depth,
-                          attention_mask=mask).last_hidden_state
+        embeds = self.embed(ids)
+        embeds = torch.where(swapped[..., None], fill.to(embeds.dtype), embeds)
+        return lm_forward(self.decoder, None, self.cache, inputs_embeds=embeds,
+                          position_ids=self.cache.lengths_t[:, None] + depth, attention_mask=mask).last_hidden_state
 
     def _recorder(self, i: int):
         """Layer ``i``'s forward pre-hook: its input into :attr:`_box` while :attr:`_recording` (inside
@@ -176,12 +188,13 @@ class CompiledLM:
 
         return record
 
-    def _scored(self, ids: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor) -> tuple:
+    def _scored(self, ids: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor, swapped: torch.Tensor,
+                fill: torch.Tensor) -> tuple:
         """What a bucket's graph computes: :meth:`_hidden`'s states, the output head on every row, ``(rows, Q,
         vocab)``, and each decoder layer's input ``(rows, Q, hidden)``, bottom to top. The head is in the graph so that
         freezing packs it too: it is a fifth of SmolLM2-135M's weights, and run eagerly on k rows it paid the eager
         kernels' jump at 4 rows that the graph avoids."""
-        hidden = self._hidden(ids, depth, visible)
+        hidden = self._hidden(ids, depth, visible, swapped, fill)
         return hidden, self.head(hidden), tuple(self._box.pop(i) for i in range(self.n_layers))
 
     def _visible(self, n: int, pad: int, seen: torch.Tensor | None, sees: torch.Tensor) -> torch.Tensor:
@@ -197,6 +210,21 @@ class CompiledLM:
         visible[torch.arange(n, n + pad), torch.arange(past + n, past + n + pad)] = True
         return visible[None].to(self.device)
 
+    def _swapped(self, n: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(swapped (1, n + pad) bool, fill (1, n + pad, hidden))``: the rows whose token embedding :attr:`swap`
+        replaces for this forward of ``n`` real rows, and the vectors (none: all False, zeros)."""
+        if self.swap is None:
+            if n + pad not in self._no_fill:
+                self._no_fill[n + pad] = torch.zeros(1, n + pad, self.embed.embedding_dim, dtype=self.dtype,
+                                                     device=self.device)
+            return torch.zeros(1, n + pad, dtype=torch.bool, device=self.device), self._no_fill[n + pad]
+        rows, fill = self.swap
+        if len(rows) != n:
+            raise ValueError(f"the compiled {self.role}'s swapped embeddings are for {len(rows)} rows; the forward has {n}")
+        swapped = torch.cat([rows.to(self.device, torch.bool), torch.zeros(pad, dtype=torch.bool, device=self.device)])
+        fill = torch.cat([fill.to(self.device, self.dtype), fill.new_zeros(pad, fill.shape[-1]).to(self.device, self.dtype)])
+        return swapped[None], fill[None]
+
     def _run(self, ids: list[int], depth: list[int], seen: torch.Tensor | None, sees: torch.Tensor,
              keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hidden (n, hidden), logits (len(keep), vocab))`` of ``n`` real rows, padded to their bucket (each row
@@ -208,18 +236,19 @@ class CompiledLM:
         ids_t = torch.tensor([ids + [ids[0]] * pad], device=self.device)
         depth_t = torch.tensor([depth + list(range(max(depth) + 1, max(depth) + 1 + pad))], device=self.device)
         visible = self._visible(n, pad, seen, sees)
+        swapped, fill = self._swapped(n, pad)
         self.cache.lengths_t.copy_(torch.tensor(self.cache.lengths), non_blocking=True)
         self.ran = (self.cache.lengths[0], n, n + pad, n + pad if q is not None else len(keep), q is not None)
         self.cache.writer, self._recording = self, True
         try:
             if q is None:  # uncompiled: the head on the kept rows only
-                hidden = self._hidden(ids_t, depth_t, visible)[0]
+                hidden = self._hidden(ids_t, depth_t, visible, swapped, fill)[0]
                 logits = self.head(hidden[keep])
                 inputs = tuple(self._box.pop(i) for i in range(self.n_layers))
             else:
                 if self.options["cuda_graphs"]:
                     torch.compiler.cudagraph_mark_step_begin()
-                hidden, logits, inputs = self.graph(ids_t, depth_t, visible)
+                hidden, logits, inputs = self.graph(ids_t, depth_t, visible, swapped, fill)
                 hidden, logits = hidden[0], logits[0, keep]
                 if self.options["cuda_graphs"]:
                     hidden = hidden.clone()  # a replay overwrites its output buffers

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from core.errors import BenchError
 from core.flops import FlopFormula
 from core.kv_cache import lm_forward
 
@@ -96,6 +97,9 @@ class CountedLM(Counted):
                 return out
             self.uncompiled_calls += 1  # compiled, but called with another cache (or none): eager, and counted so
             self.compiled.layer_inputs = ()  # the compiled forwards did not record this forward's layer inputs
+            if self.compiled.swap is not None:
+                raise BenchError(f"the compiled {self.role} swaps token embeddings in its compiled forwards only; this "
+                                 "forward runs on another cache.")
         return lm_forward(self.module, input_ids, cache, **kwargs)
 
     def _count_padding(self, kept: int | None) -> None:

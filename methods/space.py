@@ -27,8 +27,9 @@ What this harness does (``methods._space`` trains, this file decodes):
   (:func:`layout`: a candidate's parent is the candidate before it, a mask's the mask before it or the
   candidate its group follows), so the shared tree attention mask and positions ``past + depth``
   (:mod:`decoding.tree`) are exactly the paper's; the masks' input embeddings replace the embedding lookup
-  of their slots for that forward only (a forward hook on the target's input embedding, removed after), so
-  the target is still called, and counted, as every method calls it;
+  of their slots for that forward only (:mod:`core.swapped_embeddings`: a forward hook on the target's input
+  embedding, removed after, or an input of a compiled target's graphs), so the target is still called, and
+  counted, as every method calls it;
 - the candidates are verified with the shared lossless chain verifier (one-hot q: they are the masks' argmax),
   the accepted ones' keys and values are kept (:func:`decoding.tree.keep_path`) and every mask's dropped: the
   target's KV cache holds only committed text. Greedy output equals ``ar``'s; sampled output follows the
@@ -57,6 +58,7 @@ from pydantic import Field
 
 from core.errors import BenchError
 from core.metrics import ratio
+from core.swapped_embeddings import swapped_embeddings
 from decoding.sampling import next_token
 from decoding.tree import Tree, keep_path, score_tree
 from decoding.verify import verify_chain
@@ -100,7 +102,6 @@ def layout(pending: int, candidates: list[int], masks: int) -> tuple[Tree, list[
 @register("space")
 class Space(DraftVerify):
     lossless = True  # every candidate is verified by the target: greedy output equals ar's
-    uncompiled = "its mask tokens' embeddings are swapped in by a hook on the target, which compiled forwards do not run"
     Config = SpaceSettings
     label_settings = ("masks",)
 
@@ -137,16 +138,8 @@ class Space(DraftVerify):
         slots = torch.tensor([t == MASK for t in tokens], device=self.pair.device)
         k = self.embeddings.shape[0]
         which = (torch.cumsum(slots.long(), 0) - 1) % k  # the i-th of its group: groups are whole runs of k
-        fill = self.embeddings[which]  # (n, hidden)
-
-        def swap(module, args, out):  # out: (1, n, hidden), the looked-up embeddings of this forward
-            return torch.where(slots[None, :, None], fill[None].to(out.dtype), out)
-
-        hook = self.pair.target.module.get_input_embeddings().register_forward_hook(swap)
-        try:
+        with swapped_embeddings(self.pair.target, slots, self.embeddings[which]):
             yield torch.tensor([[0 if t == MASK else t for t in tokens]], device=self.pair.device)
-        finally:
-            hook.remove()
 
     # ------------------------------------------------------------------------------------------- the loop
 
