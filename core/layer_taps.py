@@ -15,6 +15,11 @@ from core.errors import BenchError
 from core.model_parts import decoder_layers
 
 
+def layer_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The hidden states a decoder layer's forward pre-hook (``with_kwargs=True``) sees entering it."""
+    return args[0] if args else kwargs["hidden_states"]
+
+
 class LayerTaps:
     """Within the block, after each forward of ``lm``: :meth:`input` is decoder layer i's input ``(B, n, hidden)`` (one
     of ``layers``), :meth:`fused` those of ``layers`` side by side ``(B, n, len(layers) * hidden)``.
@@ -46,7 +51,7 @@ class LayerTaps:
 
     def _hook(self, i: int):
         def keep(module, args, kwargs):
-            self.seen[i] = args[0] if args else kwargs["hidden_states"]
+            self.seen[i] = layer_input(args, kwargs)
 
         return keep
 

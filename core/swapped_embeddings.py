@@ -13,6 +13,11 @@ import contextlib
 import torch
 
 
+def with_swapped(embeds: torch.Tensor, rows: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+    """``embeds (..., n, hidden)`` with ``fill (..., n, hidden)`` in place at the rows ``rows (..., n)`` marks."""
+    return torch.where(rows[..., None], fill.to(embeds.dtype), embeds)
+
+
 @contextlib.contextmanager
 def swapped_embeddings(lm, rows: torch.Tensor, fill: torch.Tensor):
     """Within the block, every forward of ``lm`` (a ``core.counting.CountedLM``, compiled or not) of ``len(rows)``
@@ -28,7 +33,7 @@ def swapped_embeddings(lm, rows: torch.Tensor, fill: torch.Tensor):
         return
 
     def swap(module, args, out):  # out: (1, n, hidden), the looked-up embeddings of this forward
-        return torch.where(rows[None, :, None], fill[None].to(out.dtype), out)
+        return with_swapped(out, rows, fill)
 
     hook = lm.module.get_input_embeddings().register_forward_hook(swap)
     try:
