@@ -72,8 +72,6 @@ def release() -> None:
     global _slot
     if _slot is None:
         return
-    for compiled in _slot.compiled.values():
-        compiled.close()
     _slot = None
     torch._dynamo.reset()
     gc.collect()

@@ -110,6 +110,54 @@ def logits_head(module):
     return getattr(module, "logits_of", None) or module.get_output_embeddings()
 
 
+class LayerRecorder:
+    """Each decoder layer's input of one model, recorded by forward pre-hooks on its layers while :attr:`on` (inside a
+    :class:`CompiledLM`'s forwards; a no-op in every other forward of the model, which may run eagerly elsewhere).
+
+    One per model, installed before its first graph is traced and never removed, shared by every CompiledLM of the
+    model: dynamo guards on the number of a module's hooks, so hooks added or removed per CompiledLM would make every
+    other CompiledLM of the same model compile again (a sweep's kept target, a test's second wrapper)."""
+
+    def __init__(self, blocks: list):
+        self.on = False
+        self.box: dict[int, torch.Tensor] = {}
+        self.n_layers = len(blocks)
+        for i, block in enumerate(blocks):
+            block.register_forward_pre_hook(_Record(self, i), with_kwargs=True)
+
+    def take(self) -> tuple[torch.Tensor, ...]:
+        """The inputs ``(rows, Q, hidden)`` the forward that just ran recorded, bottom layer first."""
+        inputs = tuple(self.box[i] for i in range(self.n_layers))
+        self.box.clear()
+        return inputs
+
+
+class _Record:
+    """Layer ``i``'s hook of a :class:`LayerRecorder`. An object, not a closure: a deep copy of the model copies it
+    with its recorder (a closure would keep recording into the original's)."""
+
+    def __init__(self, recorder: LayerRecorder, i: int):
+        self.recorder, self.i = recorder, i
+
+    def __call__(self, module, args, kwargs) -> None:
+        if self.recorder.on:
+            self.recorder.box[self.i] = args[0] if args else kwargs["hidden_states"]
+
+
+def recorder_of(module) -> LayerRecorder:
+    """``module``'s one :class:`LayerRecorder`, made the first time (none of its layers for a model whose layers sit
+    elsewhere, such as a distilled draft)."""
+    recorder = module.__dict__.get("_bench_layer_recorder")
+    if recorder is None:
+        try:
+            blocks = decoder_layers(module)
+        except BenchError:
+            blocks = []
+        recorder = LayerRecorder(blocks)
+        module.__dict__["_bench_layer_recorder"] = recorder
+    return recorder
+
+
 class CompiledLM:
     """A causal LM's forwards over one :class:`RowCache`, compiled per bucket of query rows.
 
@@ -139,16 +187,8 @@ class CompiledLM:
                 torch._dynamo.mark_static_address(layer.values)
             torch._dynamo.mark_static_address(self.cache.lengths_t)
         # Each decoder layer's input (the residual stream entering it), recorded inside the forwards while a method reads
-        # them (core.layer_taps: EAGLE-3's three layers, NEST's last): hooks of this object's own, there before the
-        # graphs are traced, so each graph returns them; a hook added later would not run inside the graphs.
-        self._recording, self._box = False, {}
-        try:
-            blocks = decoder_layers(module)
-        except BenchError:  # a model with its layers elsewhere (a distilled draft): nothing to tap
-            blocks = []
-        self._hooks = [block.register_forward_pre_hook(self._recorder(i), with_kwargs=True)
-                       for i, block in enumerate(blocks)]
-        self.n_layers = len(blocks)
+        # them (core.layer_taps: EAGLE-3's three layers, NEST's last), by the model's one LayerRecorder.
+        self.recorder = recorder_of(module)
         self.tapped = 0  # LayerTaps open on this model: while any is, each forward's layer inputs are kept
         self.layer_inputs: tuple[torch.Tensor, ...] = ()  # (1, n, hidden) per layer, the last forward's real rows
         # Token embeddings replaced by given vectors at some rows (core.swapped_embeddings: SPACE's mask slots), an
@@ -179,15 +219,6 @@ class CompiledLM:
         return lm_forward(self.decoder, None, self.cache, inputs_embeds=embeds,
                           position_ids=self.cache.lengths_t[:, None] + depth, attention_mask=mask).last_hidden_state
 
-    def _recorder(self, i: int):
-        """Layer ``i``'s forward pre-hook: its input into :attr:`_box` while :attr:`_recording` (inside
-        :meth:`_run`; a no-op in every other forward of the module, which may run eagerly elsewhere)."""
-        def record(module, args, kwargs):
-            if self._recording:
-                self._box[i] = args[0] if args else kwargs["hidden_states"]
-
-        return record
-
     def _scored(self, ids: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor, swapped: torch.Tensor,
                 fill: torch.Tensor) -> tuple:
         """What a bucket's graph computes: :meth:`_hidden`'s states, the output head on every row, ``(rows, Q,
@@ -195,7 +226,7 @@ class CompiledLM:
         freezing packs it too: it is a fifth of SmolLM2-135M's weights, and run eagerly on k rows it paid the eager
         kernels' jump at 4 rows that the graph avoids."""
         hidden = self._hidden(ids, depth, visible, swapped, fill)
-        return hidden, self.head(hidden), tuple(self._box.pop(i) for i in range(self.n_layers))
+        return hidden, self.head(hidden), self.recorder.take()
 
     def _visible(self, n: int, pad: int, seen: torch.Tensor | None, sees: torch.Tensor) -> torch.Tensor:
         """``(1, n + pad, max_len)``: the cache slots each row sees: row i of the ``n`` real ones the cached slots
@@ -239,12 +270,12 @@ class CompiledLM:
         swapped, fill = self._swapped(n, pad)
         self.cache.lengths_t.copy_(torch.tensor(self.cache.lengths), non_blocking=True)
         self.ran = (self.cache.lengths[0], n, n + pad, n + pad if q is not None else len(keep), q is not None)
-        self.cache.writer, self._recording = self, True
+        self.cache.writer, self.recorder.on = self, True
         try:
             if q is None:  # uncompiled: the head on the kept rows only
                 hidden = self._hidden(ids_t, depth_t, visible, swapped, fill)[0]
                 logits = self.head(hidden[keep])
-                inputs = tuple(self._box.pop(i) for i in range(self.n_layers))
+                inputs = self.recorder.take()
             else:
                 if self.options["cuda_graphs"]:
                     torch.compiler.cudagraph_mark_step_begin()
@@ -253,8 +284,8 @@ class CompiledLM:
                 if self.options["cuda_graphs"]:
                     hidden = hidden.clone()  # a replay overwrites its output buffers
         finally:
-            self.cache.writer, self._recording = None, False
-            self._box.clear()
+            self.cache.writer, self.recorder.on = None, False
+            self.recorder.box.clear()
         # Kept only while a method reads them (copied out of a CUDA graph's buffers, which the next replay overwrites).
         self.layer_inputs = tuple(x[:, :n].clone() for x in inputs) if self.tapped else ()
         self.cache.lengths[0] += n
@@ -324,13 +355,6 @@ class CompiledLM:
     def release(self) -> None:
         self.holder = None
         self.cache.reset()
-
-    def close(self) -> None:
-        """Take this object's hooks off the model's layers (they hold it, its cache and its graphs alive); it must not
-        run again."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
 
     def warm(self) -> None:
         """Compile every bucket (untimed), largest first, and keep each one's seconds in :attr:`compile_s`."""
