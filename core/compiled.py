@@ -84,8 +84,8 @@ def check_compiler(device: torch.device) -> None:
 def foreign(hook) -> bool:
     """Whether a module hook is someone else's than transformers' or this module's: transformers installs its own on a
     model's layers the first time a forward asks for hidden states, inert unless a forward records them, which compiled
-    forwards do not ask it to; :class:`CompiledLM` its own on the decoder layers, which record their inputs inside its
-    forwards only."""
+    forwards do not ask it to; this module's :class:`LayerRecorder` on the decoder layers, which record their inputs
+    inside a :class:`CompiledLM`'s forwards only."""
     return not getattr(hook, "__module__", "").startswith(("transformers.", __name__))
 
 

@@ -23,6 +23,10 @@ about a minute per k for SmolLM2-135M on 2 cores (untimed).
 near 1 while k is small (the same weights are read). ``bound_ms``: that roofline's floor, the **streaming bound**: the
 target's weight bytes over this machine's read bandwidth, measured here (:func:`read_bandwidth`), the least a forward
 that reads every weight once can take. Prints a table; ``--csv`` writes its rows.
+
+With ``--profile K`` (after ``--compiled``), where the compiled K-token forward's time goes: ``torch.profiler`` over
+``--repeats`` of them after the same cache, the operators by their own CPU time, and their shares by kind (the
+matrix products, attention, the compiled graph's fused loops, the rest).
 """
 
 from __future__ import annotations
@@ -63,9 +67,10 @@ def curve(model, rows: list[int], past: int, repeats: int) -> list[dict]:
              **{f"ratio_{name}": round(ms[name][k] / ms[name][rows[0]], 3) for name in tables}} for k in rows]
 
 
-def compiled_curve(model, rows: list[int], past: int, repeats: int) -> dict[int, dict]:
+def compiled_curve(model, rows: list[int], past: int, repeats: int, profile: int = 0) -> dict[int, dict]:
     """Per k: median ms of the compiled forward of k tokens (a graph per k) after ``past`` cached tokens, and of the
-    eager ``F.linear`` one in the same rounds, interleaved, the first round dropped."""
+    eager ``F.linear`` one in the same rounds, interleaved, the first round dropped; ``profile`` (a k of ``rows``):
+    then print :func:`profiled`'s table for it."""
     from transformers import DynamicCache
 
     from core.clock import clocked
@@ -79,7 +84,10 @@ def compiled_curve(model, rows: list[int], past: int, repeats: int) -> dict[int,
     vocab = model.get_input_embeddings().num_embeddings
     ids = torch.arange(past + max(rows), device=device).remainder(vocab).unsqueeze(0)
     compiled = CompiledLM(model, past + max(rows), tuple(rows))
-    compiled.warm()
+    import torch._inductor.config as inductor
+
+    with inductor.patch({"cpp.enable_kernel_profile": bool(profile)}):  # name each fused loop in the profile
+        compiled.warm()
     cache, static = DynamicCache(), compiled.new_cache("verify_cost")
     times = {(name, k): [] for name in ("compiled", "compiled_plain") for k in rows}
     with torch.inference_mode(), no_recompiles():
@@ -94,11 +102,49 @@ def compiled_curve(model, rows: list[int], past: int, repeats: int) -> dict[int,
                     held.crop(-k)
                     if round_:
                         times[(name, k)].append(seconds)
+    if profile:
+        print(profiled(compiled, static, ids[:, past:past + profile], repeats))
     compiled.release()
     ms = {key: round(statistics.median(v) * 1e3, 2) for key, v in times.items()}
     return {k: {"compiled_ms": ms[("compiled", k)], "compiled_plain_ms": ms[("compiled_plain", k)],
                 "ratio_compiled": round(ms[("compiled", k)] / ms[("compiled", rows[0])], 3),
                 "compiled_vs_plain": round(ms[("compiled", k)] / ms[("compiled_plain", k)], 3)} for k in rows}
+
+
+KINDS = {  # operator name fragments -> what a profile groups them as (first match wins)
+    "matrix products": ("mkldnn", "mkl_linear", "addmm", "aten::mm", "aten::bmm", "linear", "matmul", "onednn"),
+    "attention": ("attention", "sdpa", "softmax"),
+    "fused loops (inductor)": ("cpp_fused", "triton", "graph_", "kernel"),
+}
+
+
+def profiled(compiled, cache, step: torch.Tensor, repeats: int) -> str:
+    """Where ``repeats`` compiled forwards of ``step (1, k)`` after ``cache``'s tokens spend their time: torch.profiler's
+    operators by self CPU time (top 20), then the share of each of :data:`KINDS`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from core.compiled import no_recompiles
+
+    k = step.shape[1]
+    with torch.inference_mode(), no_recompiles():
+        compiled(step, cache)  # once outside the profile
+        cache.crop(-k)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(repeats):
+                compiled(step, cache)
+                cache.crop(-k)
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(e.self_cpu_time_total for e in events)
+    shares = dict.fromkeys([*KINDS, "the rest"], 0.0)
+    for e in events:
+        name = e.key.lower()
+        kind = next((kind for kind, parts in KINDS.items() if any(p in name for p in parts)), "the rest")
+        shares[kind] += e.self_cpu_time_total
+    lines = [f"profile of {repeats} compiled {k}-token forwards: {total / repeats / 1e3:.2f} ms each (self CPU time, "
+             "profiler overhead included)",
+             prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20),
+             *(f"  {kind}: {t / total:.0%} ({t / repeats / 1e3:.2f} ms a forward)" for kind, t in shares.items())]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,17 +154,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=15, help="timed rounds")
     p.add_argument("--csv", type=Path, help="also write the rows here")
     p.add_argument("--compiled", action="store_true", help="also time the compiled forwards (compile=true's)")
+    p.add_argument("--profile", type=int, default=0, metavar="K",
+                   help="with --compiled: profile the compiled K-token forward (K one of --rows)")
     args, overrides = p.parse_known_args(argv)
     rows = sorted({int(r) for r in args.rows.split(",")})
     if rows[0] != 1:
         p.error("--rows must include 1 (the ratios are to the one-token step)")
+    if args.profile and (not args.compiled or args.profile not in rows):
+        p.error("--profile K needs --compiled and K among --rows")
     cfg, checked = validate_run(compose(["method=ar", "train_if_missing=false", *overrides]))
     use_threads(cfg)
     pair = load_pair(cfg, 0, checked)
     model = pair.target.module
     table = curve(model, rows, args.past, args.repeats)
     if args.compiled:
-        extra = compiled_curve(model, rows, args.past, args.repeats)
+        extra = compiled_curve(model, rows, args.past, args.repeats, args.profile)
         table = [{**row, **extra[row["k"]]} for row in table]
     weights = sum(t.numel() * t.element_size() for t in model.parameters())  # tied weights once, as a forward reads them
     bandwidth = read_bandwidth(pair.device)
