@@ -106,17 +106,7 @@ def checked(cfg: DictConfig) -> dict[str, Settings]:
             raise BenchError(f"baseline={settings.baseline}: {err}") from None
     if settings.max_new_tokens is None:
         settings.max_new_tokens = dataset.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-    if settings.compile:
-        check_compiled(settings, method_cls)
     return {"": settings, "method": method, "pair": pair, "dataset": dataset, "recipe": recipe}
-
-
-def check_compiled(settings: RunSettings, method_cls) -> None:
-    """``compile=true``: a method and baseline whose target forwards all go through the compiled target (a method that
-    reaches into the target otherwise says why it cannot, in ``Method.uncompiled``)."""
-    for role, cls in (("method", method_cls), ("baseline", get_method(settings.baseline) if settings.baseline else None)):
-        if cls is not None and cls.uncompiled:
-            raise BenchError(f"{role}={cls.name} cannot run with compile=true yet: {cls.uncompiled}; set compile=false.")
 
 
 def check_synthetic(settings: RunSettings, method_cls, method, pair: PairSettings) -> None:

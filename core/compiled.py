@@ -203,6 +203,7 @@ class CompiledLM:
         # ran on, whether it ran compiled.
         self.ran: tuple[int, int, int, int, bool] | None = None
         self.holder: str | None = None
+        self.forced_eager = False  # inside eagerly(): every forward runs the graphs' code uncompiled
 
     # ------------------------------------------------------------------------------------------- the graph
 
@@ -262,7 +263,7 @@ class CompiledLM:
         seeing the cached slots ``seen (n, past)`` marks, None: all, and the new rows ``sees (n, n)`` marks), the
         logits of the real rows ``keep`` (indices); the cache's length then grows by n."""
         n = len(ids)
-        q = bucket_for(n, self.buckets)
+        q = None if self.forced_eager else bucket_for(n, self.buckets)
         pad = (q or n) - n
         ids_t = torch.tensor([ids + [ids[0]] * pad], device=self.device)
         depth_t = torch.tensor([depth + list(range(max(depth) + 1, max(depth) + 1 + pad))], device=self.device)
@@ -330,6 +331,17 @@ class CompiledLM:
             seen = None if bool(visible[:, :past].all()) else visible[:, :past]
             hidden, logits = self._run(ids, (position_ids[0] - past).tolist(), seen, visible[:, past:], keep)
         return CausalLMOutputWithPast(logits=logits[None], hidden_states=(hidden[None],) if output_hidden_states else None)
+
+    @contextlib.contextmanager
+    def eagerly(self):
+        """Within the block, forwards run the graphs' code uncompiled on the same static cache: for a model whose
+        modules a method changes for some forwards (SWIFT's draft skips sub-layers of the target), which the compiled
+        graphs would not see."""
+        self.forced_eager = True
+        try:
+            yield
+        finally:
+            self.forced_eager = False
 
     def _refuse_hooks(self) -> None:
         """One sentence when a hook sits on one of the model's modules: it would not run inside a compiled graph

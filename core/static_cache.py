@@ -22,7 +22,7 @@ back each row through its own view.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 
 class RowLayer(CacheLayerMixin):
@@ -102,6 +102,16 @@ class RowCache(Cache):
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes minus the number of positions to drop, got {tokens_to_remove}")
         self.lengths[0] = max(self.get_seq_length() + tokens_to_remove, 0)
+
+    def prefix(self, length: int) -> DynamicCache:
+        """A ``DynamicCache`` holding a copy of the one row's first ``length`` positions, for eager forwards beside the
+        compiled ones (SWIFT's skip-set search)."""
+        if not 0 <= length <= self.get_seq_length():
+            raise ValueError(f"the cache holds {self.get_seq_length()} positions, not {length}")
+        out = DynamicCache()
+        for i, layer in enumerate(self.layers):
+            out.update(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone(), i)
+        return out
 
     def reset(self) -> None:
         """Empty every row (the tensors keep their addresses and contents; no forward reads past a row's length)."""

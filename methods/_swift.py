@@ -21,6 +21,7 @@ Read to understand: the authors' code (``github:hemingkx/SWIFT``, ``model/swift/
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -35,6 +36,7 @@ from core.counting import CountedLM
 from core.errors import BenchError
 from core.kv_cache import lm_forward
 from core.model_parts import decoder_layers, skipping, sublayers
+from core.static_cache import RowCache
 from decoding.cache import truncate_cache
 
 log = logging.getLogger(__name__)
@@ -85,10 +87,12 @@ class SkippingLM(CountedLM):
     """The target's module run without the sub-layers of :attr:`skip`, counted as ``role``.
 
     ``lm(input_ids (1, n), cache, **kw)`` as a :class:`~core.counting.CountedLM`; ``use(skip)`` switches the
-    set (and the FLOPs formula with it)."""
+    set (and the FLOPs formula with it). On a compiled target's static cache it runs the compiled model's code
+    uncompiled (its graphs hold every sub-layer), counted as ``uncompiled_calls``."""
 
     def __init__(self, target: CountedLM, role: str):
         super().__init__(target.module, role)
+        self.target = target
         self.full = self.formula
         self.skip = SkipSet()
 
@@ -97,7 +101,9 @@ class SkippingLM(CountedLM):
         self.formula = self.full.without(sublayers(self.module, list(skip.attn), list(skip.mlp)), len(skip.attn))
 
     def __call__(self, input_ids: torch.Tensor, cache, **kwargs):
-        with skipping(self.module, list(self.skip.attn), list(self.skip.mlp)):
+        self.compiled = self.target.compiled  # set after this wrapper was made, when the run compiles the target
+        eager = self.compiled.eagerly() if self.compiled is not None else contextlib.nullcontext()
+        with eager, skipping(self.module, list(self.skip.attn), list(self.skip.mlp)):
             return super().__call__(input_ids, cache, **kwargs)
 
 
@@ -113,7 +119,11 @@ def matchness(lm: SkippingLM, cache, window: list[int]) -> float:
 
 
 def prompt_cache(cache, prompt_len: int):
-    """A copy of ``cache`` holding the prompt's positions only: what the search's forwards extend and crop."""
+    """A copy of ``cache`` holding the prompt's positions only: what the search's forwards extend and crop (a
+    ``DynamicCache`` of a compiled target's static cache: the search's forwards run eagerly, beside the compiled
+    ones)."""
+    if isinstance(cache, RowCache):
+        return cache.prefix(prompt_len)
     out = copy.deepcopy(cache)
     truncate_cache(out, prompt_len)
     return out

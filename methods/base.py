@@ -74,9 +74,6 @@ class Method:
     Config: type[MethodSettings] = MethodSettings  # its settings: types, ranges, defaults, meanings
     label_settings: tuple[str, ...] = ()  # settings its rows in tables always name (beside those that vary)
     train_variants: tuple[dict, ...] = ({},)  # the settings ``train all`` trains it with (over its defaults)
-    # Why the method cannot run with compile=true (core/compiled.py) yet, in a few words; None: it can (every target
-    # forward it makes goes through the pair's target with the decode's cache).
-    uncompiled: str | None = None
 
     def __init__(self, cfg: MethodSettings | DictConfig | dict, pair: Pair):
         self.cfg = self.check_settings(cfg)  # typed: validated, defaults filled in, as the command line checks

@@ -25,6 +25,11 @@ Lossless: the target verifies every token (greedy output equals ``ar``; sampled 
 Where this differs from the authors' code: the draft writes into the target's cache and crops it instead of
 drafting in a clone of it; a prompt's search scores a window of ``context_window`` tokens fed once (the
 authors feed one more token whose prediction they drop); the searches are seeded (``seed``).
+
+Compiled (``compile=true``): the verification runs the target's compiled graphs; the draft's forwards, which the
+graphs (built with every sub-layer) cannot run, run the same code uncompiled on the same static cache
+(``CompiledLM.eagerly``; counted as ``uncompiled_calls``), and the online search's on an eager copy of the prompt's
+KV. As in production, where a layer-skipping draft is its own graph, not the target's.
 """
 
 from __future__ import annotations
@@ -62,7 +67,6 @@ def width(confidence: float, widths: list[int]) -> int:
 @register("swift")
 class Swift(DraftVerify):
     lossless = True
-    uncompiled = "its draft runs a subset of the target's layers on the target's own cache, outside the compiled forwards"
     label_settings = ("search",)
 
     class Config(MethodSettings):

@@ -57,7 +57,6 @@ def test_run_writes_records_and_provenance(tiny_run):
     (["max_new_tokens=abc"], "max_new_tokens='abc' is not allowed; it takes an integer >= 1"),
     (["method=medusa", "method.num_heads=3"], "unknown key method.num_heads; method=medusa has: name, tree,"),
     (["pair=gpt2", "pair.target.id=/does/not/exist"], "pair.target.id: model path '/does/not/exist' does not exist."),
-    (["compile=true", "method=swift"], "method=swift cannot run with compile=true yet: its draft runs a subset"),
     (["compile=true", "compile_buckets=[0,4]"], "compile_buckets"),
 ])
 def test_bad_input_one_sentence_exit_2_nothing_written(tmp_path, cache_dir, args, needle):

@@ -72,6 +72,26 @@ def test_draft_leaves_the_cache_as_committed_and_output_equals_ar(pair):
     assert per["draft_skip"] < per["target"]
 
 
+def test_compiled_swift_searches_and_drafts_as_the_eager_one(pair, compiled):
+    """compile=true: the draft's skipping forwards run uncompiled on the compiled target's static cache, the online
+    search on an eager copy of the prompt's KV; the output, every step's accepted length, the search's scores and
+    the skip set it ends on are the eager method's, and the verification forwards stay compiled."""
+    from core.compiled import no_recompiles
+
+    fast = compiled(pair)
+    method, eager = (build(p, "swift", context_window=4, bayes_interval=2) for p in (fast, pair))
+    with no_recompiles():
+        for ids in prompts_for(pair, 2):
+            got, want = run(method, ids, 24), run(eager, ids, 24)
+            assert got.output_ids == want.output_ids and got.accept_lengths == want.accept_lengths
+            assert got.extra["search_iters"] == want.extra["search_iters"] > 0
+            assert got.extra["search_score"] == pytest.approx(want.extra["search_score"])
+    assert method.draft_lm.skip == eager.draft_lm.skip
+    counts = fast.counts()
+    assert counts["draft_skip"]["uncompiled_calls"] == counts["draft_skip"]["calls"] > 0
+    assert counts["target"]["uncompiled_calls"] < counts["target"]["calls"]
+
+
 def test_sampling_with_drawn_siblings_follows_the_target(pair, looping_prompt):
     """Every drafted position gets 3 candidates (independent draws): the tree verifier keeps it exact."""
     method = build(pair, "swift", widths_sampled=[3, 3, 3, 3], search="off", attn_skip=[1])
