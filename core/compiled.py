@@ -195,7 +195,7 @@ class CompiledLM:
         # input of every graph: (rows (n,) bool, fill (n, hidden)) for the forwards while it is set, else none.
         self.embed = module.get_input_embeddings()
         self.swap: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._no_fill: dict[int, torch.Tensor] = {}  # zeros (1, Q, hidden) per row count: the fill when none is swapped
+        self._no_fill: dict[int, tuple] = {}  # per row count Q: (False (1, Q), zeros (1, Q, hidden)), when none is swapped
         self.graph = torch.compile(own_code(self._scored), dynamic=False, fullgraph=True, mode=self.options["mode"])
         self.compile_s: dict[int, float] = {}
         self.reused = False  # made by an earlier run of this process and kept (bench.kept); compile_s say what warming took
@@ -247,9 +247,10 @@ class CompiledLM:
         replaces for this forward of ``n`` real rows, and the vectors (none: all False, zeros)."""
         if self.swap is None:
             if n + pad not in self._no_fill:
-                self._no_fill[n + pad] = torch.zeros(1, n + pad, self.embed.embedding_dim, dtype=self.dtype,
-                                                     device=self.device)
-            return torch.zeros(1, n + pad, dtype=torch.bool, device=self.device), self._no_fill[n + pad]
+                self._no_fill[n + pad] = (torch.zeros(1, n + pad, dtype=torch.bool, device=self.device),
+                                          torch.zeros(1, n + pad, self.embed.embedding_dim, dtype=self.dtype,
+                                                      device=self.device))
+            return self._no_fill[n + pad]
         rows, fill = self.swap
         if len(rows) != n:
             raise ValueError(f"the compiled {self.role}'s swapped embeddings are for {len(rows)} rows; the forward has {n}")
@@ -288,7 +289,8 @@ class CompiledLM:
             self.cache.writer, self.recorder.on = None, False
             self.recorder.box.clear()
         # Kept only while a method reads them (copied out of a CUDA graph's buffers, which the next replay overwrites).
-        self.layer_inputs = tuple(x[:, :n].clone() for x in inputs) if self.tapped else ()
+        copy = self.options["cuda_graphs"] and q is not None
+        self.layer_inputs = tuple(x[:, :n].clone() if copy else x[:, :n] for x in inputs) if self.tapped else ()
         self.cache.lengths[0] += n
         return hidden[:n], logits
 

@@ -96,6 +96,23 @@ def test_a_hook_on_the_target_is_refused(tiny_pair, compiled):
         handle.remove()
 
 
+def test_a_second_compiled_lm_of_the_model_leaves_the_firsts_graphs_valid(tiny_pair, compiled_lm, compiled):
+    """The layer recorder is the model's, shared: a second CompiledLM of the same module (a sweep's next job, a test's
+    wrapper, a deep copy of the model) adds no hook, so the first's graphs pass their guards without compiling again
+    (dynamo guards on a module's hook count: per-wrapper hooks made a CI run hit the recompile limit)."""
+    import copy
+
+    layers = list(tiny_pair.target.module.model.layers)
+    hooks = [len(layer._forward_pre_hooks) for layer in layers]
+    CompiledLM(tiny_pair.target.module, 64, (1, 2))
+    assert [len(layer._forward_pre_hooks) for layer in layers] == hooks
+    twin = copy.deepcopy(tiny_pair.target.module)
+    assert CompiledLM(twin, 64, (1,)).recorder is not compiled_lm.recorder  # a copy records into its own
+    pair = compiled(tiny_pair)
+    with no_recompiles():
+        decode(pair, "ar", prompts_for(tiny_pair, 1)[0][:10], max_new=3)
+
+
 def test_the_cache_is_written_by_the_compiled_forwards_only(tiny_pair, compiled_lm, compiled):
     cache = compiled_lm.new_cache("test")
     with torch.inference_mode(), pytest.raises(RuntimeError, match="written by its compiled model's own forwards"):
