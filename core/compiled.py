@@ -42,6 +42,7 @@ How:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import types
 
@@ -158,15 +159,30 @@ def recorder_of(module) -> LayerRecorder:
     return recorder
 
 
+@dataclasses.dataclass
+class RowForward:
+    """One sequence's part of a forward: ``ids`` (n new tokens), each at ``depth`` below its cached length, seeing the
+    cached slots ``seen (n, past)`` marks (None: all) and the new rows ``sees (n, n)`` marks, with the logits of the
+    rows ``keep`` (a 1-D tensor of indices)."""
+
+    ids: list[int]
+    depth: list[int]
+    seen: torch.Tensor | None
+    sees: torch.Tensor
+    keep: torch.Tensor
+
+
 class CompiledLM:
     """A causal LM's forwards over one :class:`RowCache`, compiled per bucket of query rows.
 
     ``module``: a transformers causal LM (or the harness's distilled draft) whose logits are :func:`logits_head` applied
     to its decoder's last hidden state (checked by :meth:`check`); ``max_len``: the longest sequence a decode holds
-    (prompt plus budget); ``role``: the model's role in the pair (``target``, ``draft``...), for the sentences.
+    (prompt plus budget); ``role``: the model's role in the pair (``target``, ``draft``...), for the sentences;
+    ``rows``: the sequences its cache holds (1: :meth:`__call__` reads one; more: a batch, :meth:`forward_rows`
+    reads them all in one forward, issue 41).
     """
 
-    def __init__(self, module, max_len: int, buckets: tuple[int, ...] = BUCKETS, role: str = "target"):
+    def __init__(self, module, max_len: int, buckets: tuple[int, ...] = BUCKETS, role: str = "target", rows: int = 1):
         if not buckets or min(buckets) < 1:
             raise BenchError(f"compile_buckets must be row counts >= 1, got {list(buckets)}.")
         self.module, self.role = module, role
@@ -177,7 +193,7 @@ class CompiledLM:
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         self.options = backend_of(self.device)
         # Room past the longest sequence for the largest forward's rows (padding, or a tree's rejected nodes).
-        self.cache = RowCache(module.config, 1, max_len + 2 * max(self.buckets), self.dtype, self.device)
+        self.cache = RowCache(module.config, rows, max_len + 2 * max(self.buckets), self.dtype, self.device)
         # Every module of the model: a hook added to one after compiling would not run inside the graphs (torch
         # does not guard on nn.Module hooks), so a forward with one is refused (:meth:`_refuse_hooks`).
         self.modules = list(module.modules())
@@ -204,6 +220,7 @@ class CompiledLM:
         self.ran: tuple[int, int, int, int, bool] | None = None
         self.holder: str | None = None
         self.forced_eager = False  # inside eagerly(): every forward runs the graphs' code uncompiled
+        self.layer_inputs_of: list[tuple] = []  # per row of the last batch forward, as layer_inputs for one sequence
 
     # ------------------------------------------------------------------------------------------- the graph
 
@@ -229,70 +246,109 @@ class CompiledLM:
         hidden = self._hidden(ids, depth, visible, swapped, fill)
         return hidden, self.head(hidden), self.recorder.take()
 
-    def _visible(self, n: int, pad: int, seen: torch.Tensor | None, sees: torch.Tensor) -> torch.Tensor:
-        """``(1, n + pad, max_len)``: the cache slots each row sees: row i of the ``n`` real ones the cached slots
-        ``seen (n, past)`` marks (None: all) and the new rows ``sees (n, n)`` marks; a padding row the cached slots
-        and itself (a row that sees nothing would be NaN), and no real row sees a padding row."""
-        past = self.cache.lengths[0]
-        visible = torch.zeros(n + pad, self.cache.max_len, dtype=torch.bool)
+    def _visible(self, b: int, n: int, width: int, seen: torch.Tensor | None, sees: torch.Tensor) -> torch.Tensor:
+        """``(width, max_len)``: the cache slots each query row of cache row ``b`` sees: row i of its ``n`` real ones
+        the cached slots ``seen (n, past)`` marks (None: all) and the new rows ``sees (n, n)`` marks; a padding row the
+        cached slots and itself (a row that sees nothing would be NaN), and no real row sees a padding row."""
+        past = self.cache.lengths[b]
+        visible = torch.zeros(width, self.cache.max_len, dtype=torch.bool)
         visible[:, :past] = True
         if seen is not None:
             visible[:n, :past] = seen
         visible[:n, past:past + n] = sees
-        visible[torch.arange(n, n + pad), torch.arange(past + n, past + n + pad)] = True
-        return visible[None].to(self.device)
+        visible[torch.arange(n, width), torch.arange(past + n, past + width)] = True
+        return visible
 
-    def _swapped(self, n: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(swapped (1, n + pad) bool, fill (1, n + pad, hidden))``: the rows whose token embedding :attr:`swap`
-        replaces for this forward of ``n`` real rows, and the vectors (none: all False, zeros)."""
+    def _swapped(self, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(swapped (1, width) bool, fill (1, width, hidden))``: the rows whose token embedding :attr:`swap`
+        replaces for this forward of ``n`` real rows of one sequence, and the vectors (none: all False, zeros)."""
         if self.swap is None:
-            if n + pad not in self._no_fill:
-                self._no_fill[n + pad] = (torch.zeros(1, n + pad, dtype=torch.bool, device=self.device),
-                                          torch.zeros(1, n + pad, self.embed.embedding_dim, dtype=self.dtype,
-                                                      device=self.device))
-            return self._no_fill[n + pad]
+            if width not in self._no_fill:
+                self._no_fill[width] = (torch.zeros(1, width, dtype=torch.bool, device=self.device),
+                                        torch.zeros(1, width, self.embed.embedding_dim, dtype=self.dtype,
+                                                    device=self.device))
+            return self._no_fill[width]
         rows, fill = self.swap
         if len(rows) != n:
             raise ValueError(f"the compiled {self.role}'s swapped embeddings are for {len(rows)} rows; the forward has {n}")
+        pad = width - n
         swapped = torch.cat([rows.to(self.device, torch.bool), torch.zeros(pad, dtype=torch.bool, device=self.device)])
         fill = torch.cat([fill.to(self.device, self.dtype), fill.new_zeros(pad, fill.shape[-1]).to(self.device, self.dtype)])
         return swapped[None], fill[None]
 
-    def _run(self, ids: list[int], depth: list[int], seen: torch.Tensor | None, sees: torch.Tensor,
-             keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(hidden (n, hidden), logits (len(keep), vocab))`` of ``n`` real rows, padded to their bucket (each row
-        seeing the cached slots ``seen (n, past)`` marks, None: all, and the new rows ``sees (n, n)`` marks), the
-        logits of the real rows ``keep`` (indices); the cache's length then grows by n."""
-        n = len(ids)
-        q = None if self.forced_eager else bucket_for(n, self.buckets)
-        pad = (q or n) - n
-        ids_t = torch.tensor([ids + [ids[0]] * pad], device=self.device)
-        depth_t = torch.tensor([depth + list(range(max(depth) + 1, max(depth) + 1 + pad))], device=self.device)
-        visible = self._visible(n, pad, seen, sees)
-        swapped, fill = self._swapped(n, pad)
+    def _run(self, rows: list[RowForward | None]) -> list[tuple | None]:
+        """One forward over every row of the cache: row b's ``rows[b]`` (None: an idle row, all padding), each padded
+        to the bucket of the longest (its padding rows see its cached slots and themselves). Per row, ``(hidden (n,
+        hidden), logits (len(keep), vocab), layer inputs ((1, n, hidden) per decoder layer))``, None for an idle row;
+        each row's length then grows by its real rows."""
+        if len(rows) != self.cache.rows:
+            raise ValueError(f"a forward of the compiled {self.role} reads all {self.cache.rows} rows of its cache")
+        sizes = [len(r.ids) if r is not None else 0 for r in rows]
+        q = None if self.forced_eager else bucket_for(max(sizes), self.buckets)
+        width = q or max(sizes)
+        ids, depth, visible = [], [], []
+        for b, (r, n) in enumerate(zip(rows, sizes)):
+            first, deepest = (r.ids[0], max(r.depth)) if r is not None else (0, -1)
+            ids.append((r.ids if r is not None else []) + [first] * (width - n))
+            depth.append((r.depth if r is not None else []) + list(range(deepest + 1, deepest + 1 + width - n)))
+            visible.append(self._visible(b, n, width, r.seen if r is not None else None,
+                                         r.sees if r is not None else torch.zeros(0, 0, dtype=torch.bool)))
+        ids_t, depth_t = torch.tensor(ids, device=self.device), torch.tensor(depth, device=self.device)
+        visible_t = torch.stack(visible).to(self.device)
+        if self.cache.rows == 1:
+            swapped, fill = self._swapped(sizes[0], width)
+        elif self.swap is not None:
+            raise BenchError(f"the compiled {self.role} swaps embeddings in forwards of one sequence only")
+        else:
+            swapped = torch.zeros(len(rows), width, dtype=torch.bool, device=self.device)
+            fill = torch.zeros(len(rows), width, self.embed.embedding_dim, dtype=self.dtype, device=self.device)
         self.cache.lengths_t.copy_(torch.tensor(self.cache.lengths), non_blocking=True)
-        self.ran = (self.cache.lengths[0], n, n + pad, n + pad if q is not None else len(keep), q is not None)
+        self.ran = [(self.cache.lengths[b], n, width, width if q is not None else (len(r.keep) if r else 0),
+                     q is not None) for b, (r, n) in enumerate(zip(rows, sizes))]
         self.cache.writer, self.recorder.on = self, True
         try:
             if q is None:  # uncompiled: the head on the kept rows only
-                hidden = self._hidden(ids_t, depth_t, visible, swapped, fill)[0]
-                logits = self.head(hidden[keep])
+                hidden = self._hidden(ids_t, depth_t, visible_t, swapped, fill)
+                logits = [self.head(hidden[b, r.keep]) if r is not None else None for b, r in enumerate(rows)]
                 inputs = self.recorder.take()
             else:
                 if self.options["cuda_graphs"]:
                     torch.compiler.cudagraph_mark_step_begin()
-                hidden, logits, inputs = self.graph(ids_t, depth_t, visible, swapped, fill)
-                hidden, logits = hidden[0], logits[0, keep]
+                hidden, all_logits, inputs = self.graph(ids_t, depth_t, visible_t, swapped, fill)
+                logits = [all_logits[b, r.keep] if r is not None else None for b, r in enumerate(rows)]
                 if self.options["cuda_graphs"]:
                     hidden = hidden.clone()  # a replay overwrites its output buffers
         finally:
             self.cache.writer, self.recorder.on = None, False
             self.recorder.box.clear()
-        # Kept only while a method reads them (copied out of a CUDA graph's buffers, which the next replay overwrites).
-        copy = self.options["cuda_graphs"] and q is not None
-        self.layer_inputs = tuple(x[:, :n].clone() if copy else x[:, :n] for x in inputs) if self.tapped else ()
-        self.cache.lengths[0] += n
-        return hidden[:n], logits
+        copy = self.options["cuda_graphs"] and q is not None  # out of a CUDA graph's buffers, which the next replay reuses
+        out = []
+        for b, (r, n) in enumerate(zip(rows, sizes)):
+            if r is None:
+                out.append(None)
+                continue
+            # A method's layer taps read them (copied out of a CUDA graph's buffers, which the next replay overwrites).
+            taps = tuple(x[b:b + 1, :n].clone() if copy else x[b:b + 1, :n] for x in inputs) if self.tapped else ()
+            out.append((hidden[b, :n], logits[b], taps))
+            self.cache.lengths[b] += n
+        return out
+
+    def _row_forward(self, b: int, input_ids: list[int], attention_mask, position_ids, logits_to_keep) -> RowForward:
+        """Row ``b``'s part of a forward, from what ``lm_forward`` takes for one sequence: ``input_ids`` (n tokens),
+        ``attention_mask`` None (causal) or the harness's ``(1, 1, n, past + n)`` additive tree mask, ``position_ids``
+        None or ``(1, n)``, ``logits_to_keep`` 0 (all), k (the last k) or a 1-D tensor of rows."""
+        n, past = len(input_ids), self.cache.lengths[b]
+        if isinstance(logits_to_keep, torch.Tensor):
+            keep = logits_to_keep.to(self.device)
+        else:
+            keep = torch.arange(n - logits_to_keep if logits_to_keep else 0, n, device=self.device)
+        if attention_mask is None and position_ids is None:  # causal
+            return RowForward(input_ids, list(range(n)), None, torch.ones(n, n, dtype=torch.bool).tril(), keep)
+        if attention_mask is None or position_ids is None:
+            raise ValueError("a tree forward gives both attention_mask and position_ids")
+        visible = (attention_mask[0, 0] == 0).cpu()
+        seen = None if bool(visible[:, :past].all()) else visible[:, :past]
+        return RowForward(input_ids, (position_ids[0] - past).tolist(), seen, visible[:, past:], keep)
 
     # ------------------------------------------------------------------------------------------- the forward
 
@@ -311,28 +367,52 @@ class CompiledLM:
         if kwargs:
             raise ValueError(f"the compiled {self.role} takes no {sorted(kwargs)}")
         rows, n = input_ids.shape
-        if rows != 1:
-            raise ValueError(f"the compiled {self.role} reads one sequence at a time")
+        if rows != 1 or self.cache.rows != 1:
+            raise ValueError(f"the compiled {self.role} reads one sequence at a time here (a batch: forward_rows)")
         self._refuse_hooks()
         past = cache.get_seq_length()
         if past + (bucket_for(n, self.buckets) or n) > cache.max_len:
             raise BenchError(f"a {self.role} forward of {n} rows at position {past} passes the compiled "
                              f"{self.role}'s cache of {cache.max_len} positions (the run's longest prompt and budget, and twice the largest "
                              "bucket); a larger largest bucket makes room.")
-        ids = input_ids[0].tolist()
-        if isinstance(logits_to_keep, torch.Tensor):
-            keep = logits_to_keep.to(self.device)
-        else:
-            keep = torch.arange(n - logits_to_keep if logits_to_keep else 0, n, device=self.device)
-        if attention_mask is None and position_ids is None:  # causal
-            hidden, logits = self._run(ids, list(range(n)), None, torch.ones(n, n, dtype=torch.bool).tril(), keep)
-        else:
-            if attention_mask is None or position_ids is None:
-                raise ValueError("a tree forward gives both attention_mask and position_ids")
-            visible = (attention_mask[0, 0] == 0).cpu()
-            seen = None if bool(visible[:, :past].all()) else visible[:, :past]
-            hidden, logits = self._run(ids, (position_ids[0] - past).tolist(), seen, visible[:, past:], keep)
+        row = self._row_forward(0, input_ids[0].tolist(), attention_mask, position_ids, logits_to_keep)
+        hidden, logits, self.layer_inputs = self._run([row])[0]
         return CausalLMOutputWithPast(logits=logits[None], hidden_states=(hidden[None],) if output_hidden_states else None)
+
+    def forward_rows(self, rows: list[dict | None]) -> list[CausalLMOutputWithPast | None]:
+        """ONE forward over every row of a cache of several sequences (a batch): ``rows[b]``, row b's part, is what
+        :meth:`__call__` takes for one sequence (``input_ids (1, n)``, and ``attention_mask``, ``position_ids``,
+        ``logits_to_keep``, ``output_hidden_states`` as there), or None for a row that idles (a finished prompt: it
+        runs as padding). Per row, what :meth:`__call__` returns for it, None for an idle row; :attr:`layer_inputs`
+        is left empty (each row's are in ``layer_inputs_of``)."""
+        self._refuse_hooks()
+        parts = []
+        for b, row in enumerate(rows):
+            if row is None:
+                parts.append(None)
+                continue
+            ids = row["input_ids"]
+            if ids.shape[0] != 1:
+                raise ValueError(f"row {b} of a batch forward is one sequence, got {ids.shape[0]}")
+            parts.append(self._row_forward(b, ids[0].tolist(), row.get("attention_mask"), row.get("position_ids"),
+                                           row.get("logits_to_keep", 0)))
+        width = max((len(p.ids) for p in parts if p is not None), default=0)
+        padded = bucket_for(width, self.buckets) or width
+        if max(self.cache.lengths) + padded > self.cache.max_len:
+            raise BenchError(f"a batch forward of {width} rows per sequence passes the compiled {self.role}'s cache of "
+                             f"{self.cache.max_len} positions; a larger largest bucket makes room.")
+        self.layer_inputs = ()
+        outs, self.layer_inputs_of = [], []
+        for row, result in zip(rows, self._run(parts)):
+            if result is None:
+                outs.append(None)
+                self.layer_inputs_of.append(())
+                continue
+            hidden, logits, taps = result
+            outs.append(CausalLMOutputWithPast(logits=logits[None], hidden_states=(hidden[None],)
+                                               if row.get("output_hidden_states") else None))
+            self.layer_inputs_of.append(taps)
+        return outs
 
     @contextlib.contextmanager
     def eagerly(self):
@@ -371,17 +451,40 @@ class CompiledLM:
         self.cache.reset()
 
     def warm(self) -> None:
-        """Compile every bucket (untimed), largest first, and keep each one's seconds in :attr:`compile_s`."""
+        """Compile every bucket (untimed), largest first, and keep each one's seconds in :attr:`compile_s`. Graphs
+        compiled before (a sweep's kept model, a test's fixture) are reused while their guards hold; when they no longer
+        do, the buckets compile afresh on a new code object rather than piling a second set onto the old one's entries
+        (dynamo's recompile limit counts them): a ``torch._dynamo.reset()`` since, or a model class first made since,
+        which grows transformers' output-capturing registry, whose size the graphs guard on."""
+        if self.compile_s and not self._graphs_hold():
+            self.graph = torch.compile(own_code(self._scored), dynamic=False, fullgraph=True, mode=self.options["mode"])
         with torch.inference_mode(), compile_settings(self.options, len(self.buckets)):
             for q in sorted(self.buckets, reverse=True):
                 sync(self.device)
                 start = time.perf_counter()
-                self.cache.reset()
-                self._run([0] * q, list(range(q)), None, torch.ones(q, q, dtype=torch.bool).tril(),
-                          torch.arange(q, device=self.device))
+                self._warm_forward(q)
                 sync(self.device)
                 self.compile_s[q] = round(time.perf_counter() - start, 3)
             self.cache.reset()
+
+    def _warm_forward(self, q: int) -> None:
+        """A forward of ``q`` rows in every cache row, on an emptied cache."""
+        self.cache.reset()
+        self._run([RowForward([0] * q, list(range(q)), None, torch.ones(q, q, dtype=torch.bool).tril(),
+                              torch.arange(q, device=self.device))] * self.cache.rows)
+
+    def _graphs_hold(self) -> bool:
+        """Whether the smallest bucket's graph runs without compiling again."""
+        try:
+            with torch.inference_mode(), no_recompiles():
+                self._warm_forward(min(self.buckets))
+        except RuntimeError as err:
+            if "recompile" not in str(err):
+                raise
+            return False
+        finally:
+            self.cache.reset()
+        return True
 
     def check(self, context: int = 6, new: int = 3) -> None:
         """Refuse (one sentence) compiled forwards whose logits are not the eager model's: ``context`` tokens read

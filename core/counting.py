@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from core.errors import BenchError
 from core.flops import FlopFormula
 from core.kv_cache import lm_forward
+from core.static_cache import RowView
 
 
 class Counted:
@@ -84,6 +85,10 @@ class CountedLM(Counted):
         return next(self.module.parameters()).device
 
     def __call__(self, input_ids: torch.Tensor, cache, **kwargs):
+        if isinstance(cache, RowView):
+            raise BenchError(f"a forward of the {self.role} on one row of a batch runs with the others "
+                             "(forward_rows); this method reads the target outside its verification forward, which "
+                             "a batch does not do yet.")
         batch, new_tokens = input_ids.shape
         past = cache.get_seq_length() if cache is not None else 0
         # The output head runs on the last `keep` positions only (0: all), or on the positions a 1D tensor lists.
@@ -102,13 +107,37 @@ class CountedLM(Counted):
                                  "forward runs on another cache.")
         return lm_forward(self.module, input_ids, cache, **kwargs)
 
+    def forward_rows(self, rows: list[dict | None]) -> list:
+        """ONE forward over a batch (issue 41): ``rows[b]`` is row b's forward as :meth:`__call__`'s keywords for one
+        sequence (``input_ids (1, n)``, ``logits_to_keep``, ...; None: the row idles), run on the batch cache of the
+        compiled model (``core.compiled.CompiledLM.forward_rows``; eager or compiled). Each row's forward is counted
+        as one call of its own (what its prompt's record reads); the padding of the whole forward, idle rows
+        included, as waste."""
+        if self.compiled is None or self.compiled.cache.rows != len(rows):
+            raise BenchError(f"a batch forward of the {self.role} needs its static cache of {len(rows)} rows")
+        for b, row in enumerate(rows):
+            if row is not None:
+                keep = row.get("logits_to_keep", 0)
+                kept = len(keep) if isinstance(keep, torch.Tensor) else (keep if keep > 0 else None)
+                n = row["input_ids"].shape[1]
+                self._count(1, n, self.compiled.cache.lengths[b] + n, head_rows=kept)
+        outs = self.compiled.forward_rows(rows)
+        for row, ran in zip(rows, self.compiled.ran):
+            keep = row.get("logits_to_keep", 0) if row is not None else 0
+            self._count_row_padding(ran, len(keep) if isinstance(keep, torch.Tensor) else (keep if keep > 0 else None))
+        return outs
+
     def _count_padding(self, kept: int | None) -> None:
         """What the compiled call just made ran beyond its real rows (``kept``: the real rows whose logits were kept,
         None: all): padding rows, the output head on rows whose logits nobody reads, and the static cache's masked
         columns every row attends to."""
+        self._count_row_padding(self.compiled.ran[0], kept)
+
+    def _count_row_padding(self, ran_row: tuple, kept: int | None) -> None:
+        """:meth:`_count_padding` for one row of the last forward: ``ran_row`` is its ``CompiledLM.ran`` entry."""
         head = 2.0 * self.head_weights
-        past, real, ran, head_ran, compiled = self.compiled.ran
-        self.uncompiled_calls += not compiled
+        past, real, ran, head_ran, compiled = ran_row
+        self.uncompiled_calls += (not compiled) and real > 0
         self.padded_tokens += ran - real
         kept_rows = real if kept is None else kept
         self.padded_flops += (self.formula(ran, self.compiled.cache.max_len) - head * (ran - head_ran)) - (

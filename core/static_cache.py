@@ -15,8 +15,8 @@ own, the same on every supported release (docs/design/static-verification.md, pa
 - rolling back (``crop``; what ``decoding.cache.truncate_cache`` and ``decoding.tree.keep_path`` do after a rejection)
   only moves the length: stale slots past it are masked by every later forward and overwritten by the next write.
 
-For now a cache of one row (``get_seq_length`` and ``crop`` act on it); a batch of rows (issue 41) reads and rolls
-back each row through its own view.
+A cache of one row is read and rolled back as a whole (``get_seq_length``, ``crop``); a batch of rows (issue 41) row
+by row, each through its :class:`RowView` (``cache.row(b)``), which a decode of that row holds as its cache.
 """
 
 from __future__ import annotations
@@ -103,6 +103,10 @@ class RowCache(Cache):
             raise ValueError(f"crop takes minus the number of positions to drop, got {tokens_to_remove}")
         self.lengths[0] = max(self.get_seq_length() + tokens_to_remove, 0)
 
+    def row(self, b: int) -> RowView:
+        """Row ``b`` as a cache of its own for one decode: its length, its rollback, its slots."""
+        return RowView(self, b)
+
     def prefix(self, length: int) -> DynamicCache:
         """A ``DynamicCache`` holding a copy of the one row's first ``length`` positions, for eager forwards beside the
         compiled ones (SWIFT's skip-set search)."""
@@ -124,3 +128,38 @@ class RowCache(Cache):
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.keys, layer.values))
+
+
+class RowView:
+    """Row ``b`` of a :class:`RowCache`: what a decode of that row reads and rolls back (``get_seq_length``, ``crop``,
+    and per layer ``keys`` / ``values`` of shape ``(1, kv_heads, max_len, head_dim)``, views into the cache's, which
+    ``decoding.tree.keep_path`` rearranges in place). Its forwards run through the whole cache's
+    (``core.compiled.CompiledLM.forward_rows``), all rows at once."""
+
+    def __init__(self, owner: RowCache, b: int):
+        self.owner, self.b = owner, b
+        self.layers = [_LayerView(self, layer) for layer in owner.layers]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.owner.lengths[self.b]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the row's last ``-tokens_to_remove`` positions (a number <= 0, as transformers 5 takes it)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes minus the number of positions to drop, got {tokens_to_remove}")
+        self.owner.lengths[self.b] = max(self.owner.lengths[self.b] + tokens_to_remove, 0)
+
+
+class _LayerView:
+    """One layer of a :class:`RowView`: the row's slice of the layer's tensors and the row's length."""
+
+    def __init__(self, view: RowView, layer: RowLayer):
+        self.view = view
+        self.keys = layer.keys[view.b:view.b + 1]
+        self.values = layer.values[view.b:view.b + 1]
+
+    def get_seq_length(self) -> int:
+        return self.view.get_seq_length()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.view.crop(tokens_to_remove)

@@ -187,6 +187,13 @@ def score_tree(target, cache, tree: Tree, hidden: bool = False, side: SideRows |
     None)``: the last hidden states only when ``hidden``. With ``side``, the logits have ``len(side.keep)`` more
     rows, the kept side rows' after the tree's (and the hidden states every side row's).
     """
+    request = tree_request(target, cache.get_seq_length(), tree, hidden, side, **kwargs)
+    return tree_scores(target, tree, side, target(cache=cache, **request), hidden)
+
+
+def tree_request(target, past: int, tree: Tree, hidden: bool = False, side: SideRows | None = None, **kwargs) -> dict:
+    """What :func:`score_tree` hands ``target`` for the tree after ``past`` cached positions: ``input_ids (1, n)`` and
+    the forward's keywords (one row of a batch forward, ``core.counting.CountedLM.forward_rows``, takes the same)."""
     device = target.device
     tokens, allowed, offsets = tree.tokens, None, None
     if side is not None:
@@ -202,13 +209,15 @@ def score_tree(target, cache, tree: Tree, hidden: bool = False, side: SideRows |
         kwargs["logits_to_keep"] = torch.tensor(list(range(n)) + [n + k for k in side.keep], device=device)
     elif not tree.is_chain:
         allowed, offsets = tree.ancestry(), tree.depth
-    ids = torch.tensor([tokens], device=device)
     if allowed is not None:
-        past = cache.get_seq_length()
         dtype = next(target.module.parameters()).dtype
         kwargs["attention_mask"] = additive_mask(allowed, past, dtype, device)
         kwargs["position_ids"] = (past + torch.tensor(offsets, device=device)).unsqueeze(0)
-    out = target(ids, cache, output_hidden_states=hidden, **kwargs)
+    return {"input_ids": torch.tensor([tokens], device=device), "output_hidden_states": hidden, **kwargs}
+
+
+def tree_scores(target, tree: Tree, side: SideRows | None, out, hidden: bool):
+    """:func:`score_tree`'s ``(logits, hidden)`` from the forward's output ``out``."""
     logits = out.logits[0]
     if target.acceptance is not None:  # a synthetic pair: the coin decides the target's choice at each node
         n = logits.shape[0] - (len(side.keep) if side is not None else 0)

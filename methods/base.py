@@ -3,7 +3,8 @@
 - :class:`Method`: what the harness calls (``setup``, ``decode``) and reads (``lossless``, ``drafts``,
   ``is_lossless``, ``analytic_speedup``).
 - :class:`DraftVerify`: the loop of every draft-and-verify method: prefill, then per step ONE target forward
-  over what the method proposes, verification, commit. A subclass says only what is its own:
+  over what the method proposes, verification, commit (:meth:`~DraftVerify.steps`, a generator of those forwards,
+  which :meth:`~DraftVerify.decode` runs for one prompt and :meth:`~DraftVerify.decode_batch` for several at once). A subclass says only what is its own:
   :meth:`~DraftVerify.propose` (and optionally :meth:`~DraftVerify.start`, :meth:`~DraftVerify.verify`,
   :meth:`~DraftVerify.accepted`, :meth:`~DraftVerify.extra`, and :meth:`~DraftVerify.side_scored` for rows the
   forward reads beside the candidates).
@@ -16,7 +17,7 @@ pending one, fed with the next step's proposal), so a rejected proposal is dropp
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -30,7 +31,7 @@ from core.pair import Pair
 from core.schema import Settings, as_config, check
 from decoding.cache import truncate_cache
 from decoding.sampling import Sampling, next_token
-from decoding.tree import SideRows, Tree, keep_path, score_tree
+from decoding.tree import SideRows, Tree, keep_path, tree_request, tree_scores
 from decoding.verify import verify_chain, verify_tree
 
 
@@ -157,6 +158,13 @@ class Method:
         """
         raise NotImplementedError
 
+    def decode_batch(self, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling,
+                     generators: list[torch.Generator | None], on_tokens: list[Callable[[int], None]]
+                     ) -> list[DecodeOutput]:
+        """Decode ``prompts`` together, one target forward per step for all (issue 41; :class:`DraftVerify`'s)."""
+        raise BenchError(f"{self.name} decodes with a loop of its own, which a batch does not run yet; decode its "
+                         "prompts one at a time.")
+
     @cached_property  # read at every decoding step: the tokenizer and generation config do not change
     def eos_ids(self) -> frozenset[int]:
         if self.pair.synthetic:  # random weights: every prompt decodes its full budget (vLLM's ignore_eos)
@@ -210,7 +218,7 @@ class PromptState:
     """
 
     def __init__(self, method: Method, prompt_ids: torch.Tensor, max_new_tokens: int, sampling: Sampling,
-                 generator: torch.Generator | None, on_tokens: Callable[[int], None]):
+                 generator: torch.Generator | None, on_tokens: Callable[[int], None], cache=None):
         self.method, self.pair = method, method.pair
         self.prompt_ids, self.device = prompt_ids, prompt_ids.device
         self.max_new_tokens, self.sampling, self.generator = max_new_tokens, sampling, generator
@@ -220,7 +228,8 @@ class PromptState:
         # Contexts the prompt opens (a hook on a model, a compiled model's cache) and the decode closes when it ends, by
         # an error too.
         self.closing = ExitStack()
-        self.cache = self.own_cache(self.pair.target)  # the target's
+        # The target's: its own, or its row of a batch's cache (DraftVerify.decode_batch), which the batch holds.
+        self.cache = self.own_cache(self.pair.target) if cache is None else cache
         self.caches: list = []
         self.accept_lengths: list[int] = []
         self.drafted: list[int] = []
@@ -329,24 +338,74 @@ class DraftVerify(Method):
     def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> DecodeOutput:
         state = self.State(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens)
         with state.closing:  # what the prompt holds (a hook on a model) is let go however the decode ends
-            # The prefill: the whole prompt in one forward; only the last position needs logits (unless asked).
-            out = self.pair.target(prompt_ids, state.cache, logits_to_keep=0 if self.prompt_logits else 1,
-                                   output_hidden_states=self.hidden)
-            state.prompt_hidden = out.hidden_states[-1][0] if self.hidden else None
-            state.prompt_logits = out.logits[0] if self.prompt_logits else None
-            self.start(state)
-            state.commit([int(next_token(out.logits[0, -1], sampling, generator))], drafted=None)
-            while not state.done:
-                proposal = self.propose(state)
-                past = state.cache.get_seq_length()
-                # ONE target forward scores the pending token and every proposed node (and any side rows).
-                keep = {"logits_to_keep": proposal.logit_rows} if proposal.logit_rows else {}
-                logits, hidden = score_tree(self.pair.target, state.cache, proposal.tree, self.hidden, proposal.side, **keep)
-                if proposal.side is not None:
-                    self.side_scored(state, proposal, logits[len(proposal.tree):])
-                    logits = logits[: len(proposal.tree)]
-                path, nxt = self.verify(state, proposal, logits)
-                keep_path(state.cache, past, path)  # the root and the accepted nodes; the new token is pending
-                state.commit([proposal.tree.tokens[v] for v in path[1:]] + [nxt], drafted=proposal.depth)
-                self.accepted(state, proposal, path, hidden[path] if hidden is not None else None)
-            return state.output(self.extra(state))
+            steps = self.steps(state)
+            request = next(steps)
+            while True:
+                try:
+                    request = steps.send(self.pair.target(cache=state.cache, **request))
+                except StopIteration as stop:
+                    return stop.value
+
+    def steps(self, state: PromptState) -> Generator[dict, object, DecodeOutput]:
+        """One prompt's decode, as a generator of its target forwards: it yields each forward's keywords (what the
+        target, a ``CountedLM``, takes for one sequence, less the cache), is sent that forward's output, and returns
+        the prompt's output. :meth:`decode` runs it alone on the prompt's cache; :meth:`decode_batch` runs one per
+        prompt and their forwards as one."""
+        target = self.pair.target
+        # The prefill: the whole prompt in one forward; only the last position needs logits (unless asked).
+        out = yield {"input_ids": state.prompt_ids, "logits_to_keep": 0 if self.prompt_logits else 1,
+                     "output_hidden_states": self.hidden}
+        state.prompt_hidden = out.hidden_states[-1][0] if self.hidden else None
+        state.prompt_logits = out.logits[0] if self.prompt_logits else None
+        self.start(state)
+        state.commit([int(next_token(out.logits[0, -1], state.sampling, state.generator))], drafted=None)
+        while not state.done:
+            proposal = self.propose(state)
+            past = state.cache.get_seq_length()
+            # ONE target forward scores the pending token and every proposed node (and any side rows).
+            keep = {"logits_to_keep": proposal.logit_rows} if proposal.logit_rows else {}
+            out = yield tree_request(target, past, proposal.tree, self.hidden, proposal.side, **keep)
+            logits, hidden = tree_scores(target, proposal.tree, proposal.side, out, self.hidden)
+            if proposal.side is not None:
+                self.side_scored(state, proposal, logits[len(proposal.tree):])
+                logits = logits[: len(proposal.tree)]
+            path, nxt = self.verify(state, proposal, logits)
+            keep_path(state.cache, past, path)  # the root and the accepted nodes; the new token is pending
+            state.commit([proposal.tree.tokens[v] for v in path[1:]] + [nxt], drafted=proposal.depth)
+            self.accepted(state, proposal, path, hidden[path] if hidden is not None else None)
+        return state.output(self.extra(state))
+
+    def decode_batch(self, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling,
+                     generators: list[torch.Generator | None], on_tokens: list[Callable[[int], None]]
+                     ) -> list[DecodeOutput]:
+        """Decode ``prompts`` (``(1, n_b)`` each) together, as :meth:`decode` decodes each (issue 41): every step,
+        each unfinished prompt proposes (its own drafting, row after row) and ONE target forward scores every row,
+        padded to the longest, on the target's static cache of ``len(prompts)`` rows (``core.compiled.CompiledLM``
+        with ``rows``, compiled or :meth:`~core.compiled.CompiledLM.eagerly`); a finished row idles as padding.
+        Each row keeps its own cache row, randomness (``generators[b]``) and callback."""
+        target = self.pair.target
+        if type(self).decode is not DraftVerify.decode:
+            return super().decode_batch(prompts, max_new_tokens, sampling, generators, on_tokens)
+        if target.compiled is None or target.compiled.cache.rows != len(prompts):
+            raise BenchError(f"a batch of {len(prompts)} prompts decodes on the target's static cache of as many rows")
+        cache = target.new_cache(self.name)
+        with ExitStack() as stack:
+            stack.callback(target.release_cache, cache)
+            states = [self.State(self, ids, max_new_tokens, sampling, gen, told, cache=cache.row(b))
+                      for b, (ids, gen, told) in enumerate(zip(prompts, generators, on_tokens))]
+            for state in states:
+                stack.enter_context(state.closing)
+            steps = [self.steps(state) for state in states]
+            requests: list[dict | None] = [next(row) for row in steps]
+            outputs: list[DecodeOutput | None] = [None] * len(prompts)
+            while any(r is not None for r in requests):
+                outs = target.forward_rows(requests)
+                for b, out in enumerate(outs):
+                    if out is None:
+                        continue
+                    target.compiled.layer_inputs = target.compiled.layer_inputs_of[b]  # this row's, for its taps
+                    try:
+                        requests[b] = steps[b].send(out)
+                    except StopIteration as stop:
+                        outputs[b], requests[b] = stop.value, None
+            return outputs
