@@ -148,6 +148,8 @@ def run_key(method_cfg: dict, cfg: DictConfig, prompt_id: str, trained: bool = F
         "max_new_tokens": int(cfg.max_new_tokens),
         "seed": int(cfg.seed),
     }
+    if int(cfg.get("batch_size") or 1) > 1:  # absent at 1: older run keys stay valid
+        parts["batch_size"] = int(cfg.batch_size)
     if cfg.get("compile"):  # absent when eager: older run keys stay valid
         parts["compile"] = sorted(int(b) for b in cfg.compile_buckets)
     if trained and cfg.get("recipe") is not None:  # absent otherwise: older run keys stay valid

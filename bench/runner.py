@@ -75,6 +75,41 @@ def timed_decode(method, pair: Pair, prompt_ids: torch.Tensor, max_new: int, sam
     }
 
 
+def timed_batch(method, pair: Pair, prompts: list[torch.Tensor], max_new: int, sampling: Sampling,
+                seeds: list[int]) -> list[dict]:
+    """Decode ``prompts`` together (``batch_size`` > 1: ``DraftVerify.decode_batch``) once under the clock; per prompt
+    what :func:`timed_decode` returns for one, its ``wall_s`` being its own end-to-end latency (start of the batch to
+    its last token), its counts its share of the batch's (``DecodeOutput.counts``), and ``batch``: the batch's size,
+    seconds and new tokens, the same for every row."""
+    device = pair.device
+    method.pair.reset_counts()
+    generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+    start_bytes = memory.decode_start(device)
+    first: list[float | None] = [None] * len(prompts)
+    last: list[float | None] = [None] * len(prompts)
+
+    def told(b: int):
+        def on_tokens(n: int) -> None:
+            if n > 0:
+                sync(device)
+                last[b] = time.perf_counter()
+                first[b] = first[b] or last[b]
+
+        return on_tokens
+
+    sync(device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        decoded = method.decode_batch(prompts, max_new, sampling, generators, [told(b) for b in range(len(prompts))])
+    sync(device)
+    end = time.perf_counter()
+    above = memory.decode_peak(device, start_bytes)
+    batch = {"size": len(prompts), "wall_s": end - start, "new_tokens": sum(len(d.output_ids) for d in decoded)}
+    peak = memory.peak_memory(device)
+    return [{"decoded": d, "wall_s": (last[b] or end) - start, "ttft_s": (first[b] or end) - start, "counts": d.counts,
+             "peak_mem_bytes": peak, "peak_decode_bytes": above, "batch": batch} for b, d in enumerate(decoded)]
+
+
 def forward_seconds(device: torch.device, model, context: torch.Tensor, new_tokens: int = 1, repeats: int = 10) -> float:
     """Median seconds of one ``new_tokens``-token forward of a causal LM ``model`` (a transformers module,
     uncounted) after a KV cache of ``context (1, T)``, under the harness clock; the first call is a warm-up."""
@@ -127,6 +162,22 @@ def compile_models(cfg: DictConfig, pair: Pair, prompts: list[list[int]], kept: 
         compiled[lm.role].check()
         lm.compiled = compiled[lm.role]
     return compiled
+
+
+def batch_target(cfg: DictConfig, pair: Pair, prompts: list[list[int]]) -> dict[str, CompiledLM]:
+    """``batch_size`` > 1: the target's forwards over a static cache of ``batch_size`` rows, one length per row (a
+    ``DynamicCache`` cannot hold rows of different lengths), compiled per bucket with ``compile`` (warmed before any
+    clock), else the same code run eagerly; checked against the eager model row by row either way. The drafts stay
+    eager, one cache per row (their forwards are not batched yet: docs/batching.md). ``{"target": it}``."""
+    longest = max((len(p) for p in prompts), default=0) + max(int(cfg.max_new_tokens), 16)
+    graphs = CompiledLM(pair.target.module, longest, tuple(cfg.compile_buckets), role="target",
+                        rows=int(cfg.batch_size), compiled=bool(cfg.compile))
+    log.info("the target's batch forwards: %d rows%s", graphs.cache.rows,
+             f", compiled for {len(graphs.buckets)} row buckets (untimed)" if cfg.compile else ", eager")
+    graphs.warm()
+    graphs.check()
+    pair.target.compiled = graphs
+    return {"target": graphs}
 
 
 def uncompile(pair: Pair, keep: bool) -> None:
@@ -219,6 +270,9 @@ def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float, samp
         "seed": cfg.seed,
         # The target's forwards compiled per bucket over a static cache (core/compiled.py), or eager.
         "compile": bool(cfg.get("compile")),
+        # Prompts decoded together (docs/batching.md): this one's group's size, seconds and new tokens (None at 1).
+        "batch_size": int(cfg.get("batch_size") or 1),
+        "batch": run.get("batch"),
         "method_cfg": method.cfg.model_dump(mode="json"),
         # The training recipe behind the method's trained parts (draft, heads, verifier): its name, or
         # name~<hash> when its settings were overridden; None: nothing trained.
@@ -252,6 +306,37 @@ def paired_speedup(base: dict, rec: dict) -> float:
     return metrics.ratio(metrics.ratio(base["wall_s"], base["new_tokens"]), metrics.ratio(rec["wall_s"], rec["new_tokens"]))
 
 
+def pair_up(cfg: DictConfig, pair: Pair, per_prompt: dict[str, dict], ref, sampling: Sampling) -> list[dict]:
+    """One prompt's records (method name -> record), each completed against the baseline's and the reference's of
+    the same prompt: paired speedups, token equality (greedy), where a greedy output leaves the baseline's, and the
+    quality of lossy output. Returns them in order."""
+    base = per_prompt.get(cfg.get("baseline"))
+    ref_rec = per_prompt.get(ref.name) if ref is not None else None
+    for rec in per_prompt.values():
+        if base is not None:
+            rec["speedup"] = 1.0 if rec is base else paired_speedup(base, rec)
+            # Token-for-token equality with the baseline: greedy runs only (sampled outputs match by chance);
+            # on a synthetic pair only the reference against ar (the coin decides no plain step's token).
+            compared = sampling.greedy and (not pair.synthetic or (rec is ref_rec and base["method"] == "ar"))
+            rec["matches_baseline"] = rec["output_ids"] == base["output_ids"] if compared else None
+        if ref_rec is not None:  # against the optimised plain decoding, beside the speedup against the baseline
+            rec["speedup_vs_ref"] = 1.0 if rec is ref_rec else paired_speedup(ref_rec, rec)
+        # A greedy output that leaves the baseline's: where, and whether the target's choice there was a
+        # near-tie (a kernel rounding flip) or a real mismatch. Untimed, and its forward is not counted.
+        rec["divergence"] = quality.divergence(pair, rec, base) if rec.get("matches_baseline") is False else None
+        if rec is ref_rec and rec["divergence"] is not None:
+            d = rec["divergence"]
+            log.warning("%s's tokens leave %s's on prompt %s at position %d (the target's top-1 - top-2 logit "
+                        "there: %.3g, %s); its record says so (matches_baseline: false)", ref.name,
+                        base["method"], rec["prompt_id"], d["position"], d["margin"],
+                        "a near-tie" if d["tie"] else "not a near-tie")
+        if not rec["lossless"] and not pair.synthetic:
+            # Lossy output is scored against AR and the reference; untimed, and its one target
+            # forward is not counted (the counters are reset before the next timed decode).
+            rec["quality"] = quality.record_quality(pair, rec, base)
+    return list(per_prompt.values())
+
+
 def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
     """Decode every prompt of ``cfg.dataset`` with the baseline and ``cfg.method``; write the results."""
     cfg, checked = validate_run(cfg)  # checked once, defaults filled in: before any model loads or file is written
@@ -259,8 +344,11 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
     device = resolve_device(cfg.device)  # the optimised plain-decoding reference, or None; refused here if it cannot run
     if cfg.compile:
         check_compiler(device)
-    ref_mode = reference.mode_for(cfg, device, packed=bool(cfg.packed_linear) and not cfg.compile
-                                  and device.type == "cpu" and resolve_dtype(cfg.dtype, device) == torch.float32)
+    batch = int(cfg.get("batch_size") or 1)
+    # The reference decodes one prompt at a time: a batch run has none (run.json: reference null).
+    ref_mode = None if batch > 1 else reference.mode_for(
+        cfg, device, packed=bool(cfg.packed_linear) and not cfg.compile and device.type == "cpu"
+        and resolve_dtype(cfg.dtype, device) == torch.float32)
     ref_cfg = reference.ReferenceConfig.of(ref_mode) if ref_mode else None
     torch.manual_seed(cfg.seed)
     prompts = load_prompts(cfg.dataset, cfg.seed)
@@ -278,7 +366,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
     if todo:
         # Compiled: the models and compiled forwards an earlier compiled run of these settings in this process (a
         # sweep's) kept, if any; eager: nothing kept (an eager run packs its weights in place).
-        slot = kept.slot_for(kept.key_of(cfg, checked)) if cfg.compile else None
+        slot = kept.slot_for(kept.key_of(cfg, checked)) if cfg.compile and batch == 1 else None
         if slot is None:
             kept.release()
         # A missing distilled draft is distilled first.
@@ -292,7 +380,8 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
         prov["kernels"] = pair.kernels  # which CPU kernel each forward size took, and why (timings)
         # The optimised plain-decoding reference, with ar's stop tokens; its cache sized for these prompts.
         ref = reference.build(ref_mode, pair, get_method("ar")({}, pair).eos_ids, encoded, cfg.max_new_tokens)
-        compiled = compile_models(cfg, pair, encoded, slot.compiled if slot else None)
+        compiled = (batch_target(cfg, pair, encoded) if batch > 1
+                    else compile_models(cfg, pair, encoded, slot.compiled if slot else None))
         prov["compile"] = {role: c.describe() for role, c in compiled.items()} or None
         # What each method holds beyond the target (its parts, its tensors), measured once, outside any clock.
         own = {m.name: memory.method_param_bytes(m) for m in [*methods_.values(), *([ref] if ref else [])]}
@@ -318,45 +407,37 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
             held.enter_context(no_recompiles())
         for _ in range(int(cfg.warmup) if tensors else 0):  # untimed: first-call allocations, lazy inits, caches
             for m in methods_.values():
-                timed_decode(m, pair, tensors[0], min(16, cfg.max_new_tokens), sampling, cfg.seed)
+                if batch > 1:
+                    timed_batch(m, pair, tensors[:batch], min(16, cfg.max_new_tokens), sampling, [cfg.seed] * len(tensors[:batch]))
+                else:
+                    timed_decode(m, pair, tensors[0], min(16, cfg.max_new_tokens), sampling, cfg.seed)
 
         writer = RecordWriter(run_dir, carried)
         records: list[dict] = list(carried)
         try:
             order = [*methods_.values(), *([ref] if ref is not None else [])]
-            for (i, prompt), ids, x in tqdm(list(zip(todo, encoded, tensors)), desc=f"{cfg.method.name} on {cfg.dataset.name}", unit="prompt"):
-                per_prompt = {}
-                for m in order if i % 2 == 0 else order[::-1]:
-                    res = timed_decode(m, pair, x, cfg.max_new_tokens, sampling, cfg.seed + i)
-                    res["method_param_bytes"] = own[m.name]
-                    per_prompt[m.name] = make_record(cfg, pair, m, prompt, ids, res, prov["cost_ratio_c"], sampling)
-                    per_prompt[m.name]["run_key"] = keys[prompt.prompt_id][m.name]
-                base = per_prompt.get(cfg.get("baseline"))
-                ref_rec = per_prompt.get(ref.name) if ref is not None else None
-                for name, rec in per_prompt.items():
-                    if base is not None:
-                        rec["speedup"] = 1.0 if rec is base else paired_speedup(base, rec)
-                        # Token-for-token equality with the baseline: greedy runs only (sampled outputs match by chance);
-                        # on a synthetic pair only the reference against ar (the coin decides no plain step's token).
-                        compared = sampling.greedy and (not pair.synthetic or (rec is ref_rec and base["method"] == "ar"))
-                        rec["matches_baseline"] = rec["output_ids"] == base["output_ids"] if compared else None
-                    if ref_rec is not None:  # against the optimised plain decoding, beside the speedup against the baseline
-                        rec["speedup_vs_ref"] = 1.0 if rec is ref_rec else paired_speedup(ref_rec, rec)
-                    # A greedy output that leaves the baseline's: where, and whether the target's choice there was a
-                    # near-tie (a kernel rounding flip) or a real mismatch. Untimed, and its forward is not counted.
-                    rec["divergence"] = quality.divergence(pair, rec, base) if rec.get("matches_baseline") is False else None
-                    if rec is ref_rec and rec["divergence"] is not None:
-                        d = rec["divergence"]
-                        log.warning("%s's tokens leave %s's on prompt %s at position %d (the target's top-1 - top-2 logit "
-                                    "there: %.3g, %s); its record says so (matches_baseline: false)", ref.name,
-                                    base["method"], prompt.prompt_id, d["position"], d["margin"],
-                                    "a near-tie" if d["tie"] else "not a near-tie")
-                    if not rec["lossless"] and not pair.synthetic:
-                        # Lossy output is scored against AR and the reference; untimed, and its one target
-                        # forward is not counted (the counters are reset before the next timed decode).
-                        rec["quality"] = quality.record_quality(pair, rec, base)
-                    writer.write(rec)
-                    records.append(rec)
+            items = list(zip(todo, encoded, tensors))
+            groups = [items[g:g + batch] for g in range(0, len(items), batch)]  # the dataset's order, B at a time
+            progress = tqdm(total=len(items), desc=f"{cfg.method.name} on {cfg.dataset.name}", unit="prompt")
+            for group in groups:
+                timed = {}  # method -> one result per prompt of the group
+                first = group[0][0][0]  # the group's first prompt's index: at batch_size 1, the prompt's own
+                for m in order if (first // batch) % 2 == 0 else order[::-1]:
+                    seeds = [cfg.seed + i for (i, _), _, _ in group]
+                    timed[m.name] = (timed_batch(m, pair, [x for _, _, x in group], cfg.max_new_tokens, sampling, seeds)
+                                     if batch > 1 else [timed_decode(m, pair, group[0][2], cfg.max_new_tokens, sampling, seeds[0])])
+                progress.update(len(group))
+                for row, ((i, prompt), ids, _) in enumerate(group):
+                    per_prompt = {}
+                    for m in order:
+                        res = timed[m.name][row]
+                        res["method_param_bytes"] = own[m.name]
+                        per_prompt[m.name] = make_record(cfg, pair, m, prompt, ids, res, prov["cost_ratio_c"], sampling)
+                        per_prompt[m.name]["run_key"] = keys[prompt.prompt_id][m.name]
+                    for rec in pair_up(cfg, pair, per_prompt, ref, sampling):
+                        writer.write(rec)
+                        records.append(rec)
+            progress.close()
             ok = True
         finally:
             writer.close(publish=ok)

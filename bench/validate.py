@@ -56,6 +56,8 @@ class RunSettings(Settings):
                           "and method alike (core/compiled.py)")
     compile_buckets: list[Annotated[int, Field(ge=1)]] = Field([1, 2, 4, 8, 16, 32, 64], min_length=1, description="with compile: a forward of "
                                        "n rows runs the smallest bucket >= n (larger: uncompiled)")
+    batch_size: int = Field(1, ge=1, description="prompts decoded together, one target forward per step for all "
+                            "(docs/batching.md); 1: one at a time")
     resume: str | None = Field(None, min_length=1, description="DIR: write the run (with -m: the sweep) into DIR, "
                                "keep its complete records, decode only the rest")
 
@@ -106,6 +108,10 @@ def checked(cfg: DictConfig) -> dict[str, Settings]:
             raise BenchError(f"baseline={settings.baseline}: {err}") from None
     if settings.max_new_tokens is None:
         settings.max_new_tokens = dataset.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+    if settings.batch_size > 1:
+        for role, cls in (("method", method_cls), ("baseline", get_method(settings.baseline) if settings.baseline else None)):
+            if cls is not None and cls.batch_refusal:
+                raise BenchError(f"{role}={cls.name} cannot decode a batch yet: {cls.batch_refusal}; set batch_size=1.")
     return {"": settings, "method": method, "pair": pair, "dataset": dataset, "recipe": recipe}
 
 

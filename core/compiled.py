@@ -179,10 +179,12 @@ class CompiledLM:
     to its decoder's last hidden state (checked by :meth:`check`); ``max_len``: the longest sequence a decode holds
     (prompt plus budget); ``role``: the model's role in the pair (``target``, ``draft``...), for the sentences;
     ``rows``: the sequences its cache holds (1: :meth:`__call__` reads one; more: a batch, :meth:`forward_rows`
-    reads them all in one forward, issue 41).
+    reads them all in one forward, issue 41); ``compiled``: False runs the same code uncompiled, always (a batch's
+    eager forwards: a ``DynamicCache`` cannot hold rows of different lengths).
     """
 
-    def __init__(self, module, max_len: int, buckets: tuple[int, ...] = BUCKETS, role: str = "target", rows: int = 1):
+    def __init__(self, module, max_len: int, buckets: tuple[int, ...] = BUCKETS, role: str = "target", rows: int = 1,
+                 compiled: bool = True):
         if not buckets or min(buckets) < 1:
             raise BenchError(f"compile_buckets must be row counts >= 1, got {list(buckets)}.")
         self.module, self.role = module, role
@@ -220,6 +222,7 @@ class CompiledLM:
         self.ran: tuple[int, int, int, int, bool] | None = None
         self.holder: str | None = None
         self.forced_eager = False  # inside eagerly(): every forward runs the graphs' code uncompiled
+        self.always_eager = not compiled  # a batch's eager forwards (batch_size > 1, compile=false): never compiled
         self.layer_inputs_of: list[tuple] = []  # per row of the last batch forward, as layer_inputs for one sequence
 
     # ------------------------------------------------------------------------------------------- the graph
@@ -284,7 +287,7 @@ class CompiledLM:
         if len(rows) != self.cache.rows:
             raise ValueError(f"a forward of the compiled {self.role} reads all {self.cache.rows} rows of its cache")
         sizes = [len(r.ids) if r is not None else 0 for r in rows]
-        q = None if self.forced_eager else bucket_for(max(sizes), self.buckets)
+        q = None if self.forced_eager or self.always_eager else bucket_for(max(sizes), self.buckets)
         width = q or max(sizes)
         ids, depth, visible = [], [], []
         for b, (r, n) in enumerate(zip(rows, sizes)):
@@ -456,6 +459,8 @@ class CompiledLM:
         do, the buckets compile afresh on a new code object rather than piling a second set onto the old one's entries
         (dynamo's recompile limit counts them): a ``torch._dynamo.reset()`` since, or a model class first made since,
         which grows transformers' output-capturing registry, whose size the graphs guard on."""
+        if self.always_eager:
+            return
         if self.compile_s and not self._graphs_hold():
             self.graph = torch.compile(own_code(self._scored), dynamic=False, fullgraph=True, mode=self.options["mode"])
         with torch.inference_mode(), compile_settings(self.options, len(self.buckets)):
@@ -490,36 +495,48 @@ class CompiledLM:
         """Refuse (one sentence) compiled forwards whose logits are not the eager model's: ``context`` tokens read
         through the cache, then ``new`` after them, against the same tokens read whole without any cache; and a
         one-token step against the same. Catches a graph that ignores or misreads its cache, a model whose logits
-        are not its output head on its last hidden state, and a compiler that miscompiles. After :meth:`warm` (it runs
-        under :func:`no_recompiles`, where even a first compile is an error)."""
+        are not its output head on its last hidden state, and a compiler that miscompiles. A cache of several rows
+        reads a sequence per row, row b's context ``b`` tokens longer (rows of different lengths in one forward).
+        After :meth:`warm` (it runs under :func:`no_recompiles`, where even a first compile is an error)."""
         vocab = self.module.get_input_embeddings().num_embeddings
-        ids = (torch.arange(context + new, device=self.device) * 7 + vocab // 3).remainder(vocab).unsqueeze(0)
+        rows = self.cache.rows
+        ids = (torch.arange(context + rows + new, device=self.device) * 7 + vocab // 3).remainder(vocab).unsqueeze(0)
+        seqs = [ids[:, :context + b + new] for b in range(rows)]
         with torch.inference_mode(), no_recompiles():
-            whole = lm_forward(self.module, ids).logits[0].float()
-            alone = lm_forward(self.module, ids[:, context:]).logits[0].float()
             self.new_cache(f"the compiled {self.role}'s check")
             try:
-                first = self(ids[:, :context], self.cache).logits[0].float()
-                then = self(ids[:, context:], self.cache).logits[0].float()
-                step = self(ids[:, :1], self.cache).logits[0].float()  # a one-token forward after them
+                got = [[] for _ in range(rows)]
+                for part in (lambda s: s[:, :-new], lambda s: s[:, -new:], lambda s: s[:, :1]):  # a step after them
+                    for b, out in enumerate(self.forward_rows([{"input_ids": part(s)} for s in seqs])):
+                        got[b].append(out.logits[0].float())
             finally:
                 self.release()
-        ref_step = lm_forward(self.module, torch.cat([ids, ids[:, :1]], 1)).logits[0, -1:].float()
-        got = torch.cat([first, then, step])
-        ref = torch.cat([whole, ref_step])
+            for b, s in enumerate(seqs):
+                whole = lm_forward(self.module, s).logits[0].float()
+                alone = lm_forward(self.module, s[:, -new:]).logits[0].float()
+                ref_step = lm_forward(self.module, torch.cat([s, s[:, :1]], 1)).logits[0, -1:].float()
+                self._compare(torch.cat(got[b]), torch.cat([whole, ref_step]), alone, whole[-new:], b)
+
+    def _compare(self, got: torch.Tensor, ref: torch.Tensor, alone: torch.Tensor, after: torch.Tensor, b: int) -> None:
+        """One sentence when ``got`` (the compiled forwards' logits) is not ``ref`` (the eager model's) within the
+        dtype's tolerance, or not clearly nearer to it than the context changes the logits (``alone``: the last tokens
+        read without their context, ``after``: with it)."""
         # A distilled draft's logits are -inf outside its vocabulary: the same entries must be, the rest close.
         finite = ref.isfinite()
         error = (got - ref)[finite].abs().max().item() if bool((got.isfinite() == finite).all()) else float("inf")
         scale = ref[finite].abs().max().item()
-        context_effect = (alone - whole[context:])[finite[context:len(whole)]].abs().max().item()
+        context_effect = (alone - after)[after.isfinite()].abs().max().item()
         tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
         if not error <= tolerance * max(scale, 1.0) or (context_effect > 0 and not error < 0.25 * context_effect):
+            where = f" (row {b} of its cache)" if self.cache.rows > 1 else ""
             raise BenchError(f"the compiled {self.role}'s logits are {error:.3g} away from the eager model's for the "
-                             f"same tokens (largest logit {scale:.3g}); compile=false runs it uncompiled.")
+                             f"same tokens{where} (largest logit {scale:.3g}); compile=false runs it uncompiled.")
 
     def describe(self) -> dict:
         """What ``run.json`` says about the compiled model."""
-        return {**self.options, "buckets": list(self.buckets), "compile_s": dict(self.compile_s), "reused": self.reused,
+        options = self.options if not self.always_eager else {}  # an eager batch: nothing compiled
+        return {**options, "compiled": not self.always_eager, "rows": self.cache.rows,
+                "buckets": list(self.buckets), "compile_s": dict(self.compile_s), "reused": self.reused,
                 "cache_positions": self.cache.max_len, "cache_bytes": self.cache.nbytes,
                 "torch": torch.__version__}
 

@@ -107,25 +107,38 @@ class CountedLM(Counted):
                                  "forward runs on another cache.")
         return lm_forward(self.module, input_ids, cache, **kwargs)
 
-    def forward_rows(self, rows: list[dict | None]) -> list:
+    def forward_rows(self, rows: list[dict | None]) -> tuple[list, list[dict | None]]:
         """ONE forward over a batch (issue 41): ``rows[b]`` is row b's forward as :meth:`__call__`'s keywords for one
         sequence (``input_ids (1, n)``, ``logits_to_keep``, ...; None: the row idles), run on the batch cache of the
-        compiled model (``core.compiled.CompiledLM.forward_rows``; eager or compiled). Each row's forward is counted
-        as one call of its own (what its prompt's record reads); the padding of the whole forward, idle rows
-        included, as waste."""
+        compiled model (``core.compiled.CompiledLM.forward_rows``; eager or compiled). Returns the outputs per row
+        (None for an idle row) and each active row's share of the counts (:meth:`stats`' keys): its forward as one
+        call of its own with its real tokens and FLOPs, its padding, and an equal part of the idle rows' padding
+        (counted, never hidden)."""
         if self.compiled is None or self.compiled.cache.rows != len(rows):
             raise BenchError(f"a batch forward of the {self.role} needs its static cache of {len(rows)} rows")
+        kept = []
         for b, row in enumerate(rows):
-            if row is not None:
-                keep = row.get("logits_to_keep", 0)
-                kept = len(keep) if isinstance(keep, torch.Tensor) else (keep if keep > 0 else None)
-                n = row["input_ids"].shape[1]
-                self._count(1, n, self.compiled.cache.lengths[b] + n, head_rows=kept)
-        outs = self.compiled.forward_rows(rows)
-        for row, ran in zip(rows, self.compiled.ran):
             keep = row.get("logits_to_keep", 0) if row is not None else 0
-            self._count_row_padding(ran, len(keep) if isinstance(keep, torch.Tensor) else (keep if keep > 0 else None))
-        return outs
+            kept.append(len(keep) if isinstance(keep, torch.Tensor) else (keep if keep > 0 else None))
+        lengths = list(self.compiled.cache.lengths)
+        outs = self.compiled.forward_rows(rows)
+        shares: list[dict | None] = []
+        idle = dict.fromkeys(self.stats(), 0)
+        for b, (row, ran) in enumerate(zip(rows, self.compiled.ran)):
+            before = self.stats()
+            if row is not None:
+                n = row["input_ids"].shape[1]
+                self._count(1, n, lengths[b] + n, head_rows=kept[b])
+            self._count_row_padding(ran, kept[b])
+            delta = {k: v - before[k] for k, v in self.stats().items()}
+            if row is None:
+                idle = {k: idle[k] + delta[k] for k in idle}
+            shares.append(delta if row is not None else None)
+        active = [s for s in shares if s is not None]
+        for share in active:
+            for k in ("padded_tokens", "padded_flops"):
+                share[k] += idle[k] / len(active)
+        return outs, shares
 
     def _count_padding(self, kept: int | None) -> None:
         """What the compiled call just made ran beyond its real rows (``kept``: the real rows whose logits were kept,

@@ -59,6 +59,9 @@ class DecodeOutput:
     accept_lengths: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    # A row of a batch (DraftVerify.decode_batch): its share of every role's counts (role -> Counted.stats() keys);
+    # None for a decode alone, whose counts the harness reads from the pair.
+    counts: dict | None = None
 
 
 class Method:
@@ -75,6 +78,8 @@ class Method:
     Config: type[MethodSettings] = MethodSettings  # its settings: types, ranges, defaults, meanings
     label_settings: tuple[str, ...] = ()  # settings its rows in tables always name (beside those that vary)
     train_variants: tuple[dict, ...] = ({},)  # the settings ``train all`` trains it with (over its defaults)
+    # Why it cannot decode a batch (batch_size > 1) yet, in a few words; None: it can (DraftVerify's shared loop).
+    batch_refusal: str | None = "it decodes with a loop of its own, which a batch does not run yet"
 
     def __init__(self, cfg: MethodSettings | DictConfig | dict, pair: Pair):
         self.cfg = self.check_settings(cfg)  # typed: validated, defaults filled in, as the command line checks
@@ -162,8 +167,8 @@ class Method:
                      generators: list[torch.Generator | None], on_tokens: list[Callable[[int], None]]
                      ) -> list[DecodeOutput]:
         """Decode ``prompts`` together, one target forward per step for all (issue 41; :class:`DraftVerify`'s)."""
-        raise BenchError(f"{self.name} decodes with a loop of its own, which a batch does not run yet; decode its "
-                         "prompts one at a time.")
+        raise BenchError(f"{self.name} cannot decode a batch yet: {self.batch_refusal}; decode its prompts one at a "
+                         "time (batch_size=1).")
 
     @cached_property  # read at every decoding step: the tokenizer and generation config do not change
     def eos_ids(self) -> frozenset[int]:
@@ -301,6 +306,7 @@ class DraftVerify(Method):
 
     hidden: bool = False
     prompt_logits: bool = False
+    batch_refusal: str | None = None
     State: type[PromptState] = PromptState  # one prompt's state; a method with its own subclasses it
 
     def start(self, state: PromptState) -> None:
@@ -380,14 +386,17 @@ class DraftVerify(Method):
                      ) -> list[DecodeOutput]:
         """Decode ``prompts`` (``(1, n_b)`` each) together, as :meth:`decode` decodes each (issue 41): every step,
         each unfinished prompt proposes (its own drafting, row after row) and ONE target forward scores every row,
-        padded to the longest, on the target's static cache of ``len(prompts)`` rows (``core.compiled.CompiledLM``
-        with ``rows``, compiled or :meth:`~core.compiled.CompiledLM.eagerly`); a finished row idles as padding.
-        Each row keeps its own cache row, randomness (``generators[b]``) and callback."""
+        padded to the longest, on the target's static cache of at least ``len(prompts)`` rows
+        (``core.compiled.CompiledLM`` with ``rows``, compiled or eager); a finished row, or a row no prompt has, idles
+        as padding. Each row keeps its own cache row, randomness (``generators[b]``) and callback, and its output its
+        share of the counts (``DecodeOutput.counts``)."""
         target = self.pair.target
-        if type(self).decode is not DraftVerify.decode:
+        if self.batch_refusal or type(self).decode is not DraftVerify.decode:
             return super().decode_batch(prompts, max_new_tokens, sampling, generators, on_tokens)
-        if target.compiled is None or target.compiled.cache.rows != len(prompts):
-            raise BenchError(f"a batch of {len(prompts)} prompts decodes on the target's static cache of as many rows")
+        rows = target.compiled.cache.rows if target.compiled is not None else 0
+        if not 0 < len(prompts) <= rows:
+            raise BenchError(f"a batch of {len(prompts)} prompts decodes on the target's static cache of at least as "
+                             f"many rows (it has {rows})")
         cache = target.new_cache(self.name)
         with ExitStack() as stack:
             stack.callback(target.release_cache, cache)
@@ -396,16 +405,38 @@ class DraftVerify(Method):
             for state in states:
                 stack.enter_context(state.closing)
             steps = [self.steps(state) for state in states]
-            requests: list[dict | None] = [next(row) for row in steps]
+            ledgers: list[dict] = [{} for _ in prompts]  # per row: role -> its share of the counts
+            requests: list[dict | None] = [self._counted(ledgers[b], next, row) for b, row in enumerate(steps)]
+            requests += [None] * (rows - len(prompts))  # a last, smaller group: the cache's other rows idle
             outputs: list[DecodeOutput | None] = [None] * len(prompts)
             while any(r is not None for r in requests):
-                outs = target.forward_rows(requests)
+                outs, shares = target.forward_rows(requests)
                 for b, out in enumerate(outs):
                     if out is None:
                         continue
+                    _add_counts(ledgers[b], {target.role: shares[b]})
                     target.compiled.layer_inputs = target.compiled.layer_inputs_of[b]  # this row's, for its taps
-                    try:
-                        requests[b] = steps[b].send(out)
+                    try:  # the row verifies, commits and drafts its next proposal (its own forwards, counted to it)
+                        requests[b] = self._counted(ledgers[b], steps[b].send, out)
                     except StopIteration as stop:
                         outputs[b], requests[b] = stop.value, None
+                        outputs[b].counts = ledgers[b]
             return outputs
+
+    def _counted(self, ledger: dict, step, arg):
+        """``step(arg)`` (a row's generator moving on), what it counts on the pair added to ``ledger``."""
+        before = self.pair.counts()
+        try:
+            return step(arg)
+        finally:
+            after = self.pair.counts()
+            _add_counts(ledger, {role: {k: v - before.get(role, {}).get(k, 0) for k, v in stats.items()}
+                                 for role, stats in after.items()})
+
+
+def _add_counts(ledger: dict, delta: dict) -> None:
+    """Add ``delta`` (role -> counts) into ``ledger`` (the same), role by role and key by key."""
+    for role, stats in delta.items():
+        mine = ledger.setdefault(role, dict.fromkeys(stats, 0))
+        for k, v in stats.items():
+            mine[k] = mine.get(k, 0) + v

@@ -102,6 +102,7 @@ def layout(pending: int, candidates: list[int], masks: int) -> tuple[Tree, list[
 @register("space")
 class Space(DraftVerify):
     lossless = True  # every candidate is verified by the target: greedy output equals ar's
+    batch_refusal = "it decodes with a loop of its own (its mask slots' forwards), which a batch does not run yet"
     Config = SpaceSettings
     label_settings = ("masks",)
 

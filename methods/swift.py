@@ -67,6 +67,7 @@ def width(confidence: float, widths: list[int]) -> int:
 @register("swift")
 class Swift(DraftVerify):
     lossless = True
+    batch_refusal = "its layer-skipping draft runs the target outside the verification forward"
     label_settings = ("search",)
 
     class Config(MethodSettings):

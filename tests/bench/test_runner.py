@@ -126,3 +126,25 @@ def test_a_compiled_run_says_what_it_compiled(compose_cfg, tmp_path):
     assert prov["compile"]["target"]["reused"] is False and counters["stats"]["unique_graphs"] > graphs
     run(compose_cfg("pair=tiny", "method=ar", "max_new_tokens=4", "dataset.n_prompts=1", "warmup=0"), tmp_path / "eager")
     assert kept.held() == {}
+
+
+def test_a_batch_run_records_each_prompt_as_its_decode_alone(compose_cfg, tmp_path):
+    """``batch_size=2`` on 3 prompts (a last group of one): each record says its batch, its tokens are the same
+    prompt's at batch_size=1 (lossless per row, the baseline's and the method's), its counts are its own row's, and
+    the run key differs from batch_size=1's (a resumed run never mixes them)."""
+    from bench.runner import run
+
+    settings = ("pair=tiny", "method=sd", "max_new_tokens=12", "dataset.n_prompts=3", "warmup=1")
+    run(compose_cfg(*settings), tmp_path / "one")
+    run(compose_cfg(*settings, "batch_size=2"), tmp_path / "two")
+    alone = {(r["method"], r["prompt_id"]): r for r in read_records(tmp_path / "one" / "records.jsonl")}
+    batched = read_records(tmp_path / "two" / "records.jsonl")
+    assert len(batched) == 6 and sorted(r["batch"]["size"] for r in batched) == [1, 1, 2, 2, 2, 2]
+    for r in batched:
+        ref = alone[(r["method"], r["prompt_id"])]
+        assert r["batch_size"] == 2 and r["output_ids"] == ref["output_ids"] and r["matches_baseline"] is not False
+        assert r["calls"]["target"] == len(r["accept_lengths"]) + 1 and r["run_key"] != ref["run_key"]
+        assert 0 < r["ttft_s"] <= r["wall_s"] <= r["batch"]["wall_s"] + 1e-9
+    assert all(r["calls"]["draft"] > 0 for r in batched if r["method"] == "sd")  # the drafts, row by row, counted
+    prov = json.loads((tmp_path / "two" / "run.json").read_text())
+    assert prov["compile"]["target"]["rows"] == 2 and prov["compile"]["target"]["compiled"] is False

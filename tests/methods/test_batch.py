@@ -86,6 +86,12 @@ def test_a_compiled_batch_decodes_what_each_row_decodes_alone(good_pair, batch_g
     counts = pair.target.stats()
     assert counts["uncompiled_calls"] == BATCH  # the prefill (40 rows, beyond the largest bucket), once per row
     assert counts["padded_tokens"] > 0
+    # Each row's share of the counts: its own target calls and tokens, the batch's padding split, all of it summed.
+    for out in got:
+        mine = out.counts["target"]
+        assert mine["calls"] == len(out.accept_lengths) + 1 and mine["uncompiled_calls"] == 1
+    for key in ("calls", "tokens", "flops", "padded_tokens", "padded_flops"):
+        assert sum(out.counts["target"][key] for out in got) == pytest.approx(counts[key])
 
 
 @pytest.mark.parametrize("name", ["sd", "eagle", "lookahead"])  # a draft model's chain, a draft's tree, side rows
