@@ -17,7 +17,7 @@ from core import files
 from core.errors import BenchError
 
 # Run settings that, when they vary across the loaded records, become part of a row's label.
-LABEL_KEYS = ("temperature", "top_p", "max_new_tokens", "compile")
+LABEL_KEYS = ("temperature", "top_p", "max_new_tokens", "compile", "batch_size")
 # What makes two records of one run directory a pair: the same prompt decoded under the same settings.
 PAIR_KEYS = ["run_dir", "pair", "dataset", "prompt_id", "temperature", "top_p", "max_new_tokens", "seed"]
 # The optimised plain-decoding reference's names in records (bench.reference.NAMES, without importing transformers).
@@ -53,6 +53,7 @@ def load(paths: list[str], baseline: str | None = None) -> tuple[pd.DataFrame, l
             row["baseline"] = run_baseline
             row["flops_total"] = (rec.get("flops") or {}).get("total")
             row["method_cfg"] = rec.get("method_cfg") or {"name": rec.get("method")}
+            row["batch_size"] = rec.get("batch_size") or 1  # records older than batch_size decoded one at a time
             for name, value in (rec.get("quality") or {}).items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     row[f"q_{name}"] = value
@@ -76,7 +77,7 @@ def load(paths: list[str], baseline: str | None = None) -> tuple[pd.DataFrame, l
 def labels(df: pd.DataFrame) -> pd.Series:
     """A row label per record: the method's name, the training recipe behind a trained method, the settings the
     method always names (koala's base), then whichever of its settings (and of temperature, top_p,
-    max_new_tokens, compile) vary across the loaded records, e.g. ``sd (recipe=quick, gamma=2, temperature=0.7)``."""
+    max_new_tokens, compile, batch_size) vary across the loaded records, e.g. ``sd (recipe=quick, gamma=2, temperature=0.7)``."""
     cfg_json = df["method_cfg"].map(lambda c: json.dumps(c, sort_keys=True))
     varying_global = [k for k in LABEL_KEYS if k in df and df[k].nunique(dropna=False) > 1]
     varying_cfg: dict[str, list[str]] = {}

@@ -22,14 +22,15 @@ from core.errors import BenchError
 from core.files import RECORDS
 
 # Columns of the summary table, in order (quality columns q_<name> follow; csv files hold them all).
-COLUMNS = ["label", "method", "pair", "dataset", "category", "prompts", "new_tokens", "wall_s", "ttft_s",
-           "tokens_per_s", "ms_per_token", "speedup_median", "speedup_lo", "speedup_hi", "speedup_q25",
+COLUMNS = ["label", "method", "pair", "dataset", "category", "prompts", "batch_size", "new_tokens", "wall_s", "ttft_s",
+           "tokens_per_s", "ms_per_token", "throughput", "tpot_ms", "latency_p50_s", "latency_p90_s", "latency_p99_s", "speedup_median", "speedup_lo", "speedup_hi", "speedup_q25",
            "speedup_q75", "speedup_pooled", "speedup_specbench", "speedup_vs_ref", "mean_accepted", "alpha",
            "accept_by_position", "mean_drafted", "cost_ratio_c", "analytic_speedup", "target_calls_per_token",
            "gflops_per_token", "peak_mem_bytes", "method_param_bytes", "peak_decode_bytes", "matches_baseline",
            "tie_flips", "mismatches"]
 # What people read (printed, md, tex, HTML): speedup_median carries its interval, speedup_iqr the spread; memory in MiB.
-DISPLAY = ["label", "pair", "dataset", "category", "prompts", "new_tokens", "tokens_per_s", "speedup_median",
+DISPLAY = ["label", "pair", "dataset", "category", "prompts", "batch_size", "new_tokens", "tokens_per_s", "throughput",
+           "speedup_median",
            "speedup_iqr", "speedup_pooled", "speedup_specbench", "speedup_vs_ref", "mean_accepted", "alpha",
            "accept_by_position", "analytic_speedup", "target_calls_per_token", "gflops_per_token", "ttft_s",
            "peak_mem_mib", "method_param_mib", "peak_decode_mib", "matches_baseline", "tie_flips", "mismatches"]
@@ -98,6 +99,22 @@ def specbench_speedup(paired: pd.DataFrame) -> float:
                          (paired["base_specbench_tokens"] / paired["base_wall_s"]).mean())
 
 
+def throughput(g: pd.DataFrame) -> float:
+    """New tokens per second over the decodes of ``g``, a batch's seconds counted once: each record of a group of B
+    decoded together (``batch``) owns 1/B of the group's seconds; a record decoded alone, its own."""
+    batches = g["batch"] if "batch" in g else [None] * len(g)
+    seconds = [b["wall_s"] / b["size"] if isinstance(b, dict) else w for b, w in zip(batches, g["wall_s"])]
+    return metrics.ratio(g["new_tokens"].sum(), sum(seconds))
+
+
+def time_per_output_token(g: pd.DataFrame) -> float:
+    """Median over requests of the seconds per new token after the first (TPOT), in ms; NaN without two tokens or
+    a time to the first one (imported answers have none)."""
+    per = [(w - t) / (n - 1) * 1e3 for w, t, n in zip(g["wall_s"], g["ttft_s"], g["new_tokens"])
+           if n > 1 and isinstance(t, (int, float)) and t == t]
+    return metrics.median(per)
+
+
 def summary_row(g: pd.DataFrame, level: float) -> dict:
     """The aggregates of one group of records (one method setting on one pair and dataset)."""
     acc, dr = steps(g)
@@ -112,6 +129,8 @@ def summary_row(g: pd.DataFrame, level: float) -> dict:
     compared = g["matches_baseline"].dropna().astype(float) if "matches_baseline" in g else pd.Series(dtype=float)
     differing = compared.index[compared == 0]  # greedy records whose tokens are not the baseline's
     ties = int(sum(near_tie(d) for d in g["divergence"].loc[differing])) if "divergence" in g else 0
+    largest_batch = g["batch_size"].max() if "batch_size" in g else 1  # NaN in records older than batch_size
+    batch = int(largest_batch) if largest_batch == largest_batch else 1
     row = {
         "method": g["method"].iloc[0],
         "prompts": len(g),
@@ -120,6 +139,14 @@ def summary_row(g: pd.DataFrame, level: float) -> dict:
         "ttft_s": metrics.median(g["ttft_s"]),  # median over prompts of the time to the first token
         "tokens_per_s": metrics.median(g["tokens_per_s"]),  # median over prompts of new tokens / wall time
         "ms_per_token": metrics.median(g["ms_per_token"]),  # median over prompts of wall time / new tokens
+        # Prompts decoded together (the largest group; NaN when one at a time, so that tables of B = 1 stay as they were).
+        "batch_size": batch if batch > 1 else math.nan,
+        "throughput": throughput(g),  # tokens per second over all decodes, a batch's seconds once
+        "tpot_ms": time_per_output_token(g),
+        # Per-request latency (prefill to last token; in a batch, the row's own) across prompts.
+        "latency_p50_s": metrics.quantile(g["wall_s"], 0.5),
+        "latency_p90_s": metrics.quantile(g["wall_s"], 0.9),
+        "latency_p99_s": metrics.quantile(g["wall_s"], 0.99),
         "speedup_median": metrics.median(g["speedup"]),  # median over prompts of the paired per-prompt speedup
         "speedup_lo": lo,  # percentile bootstrap interval of that median (prompts resampled)
         "speedup_hi": hi,
@@ -231,7 +258,8 @@ def legend(level: float = 0.95) -> str:
     return (f"speedup_median: median over prompts of the per-prompt paired speedup [{level:.0%} bootstrap interval]; "
             "speedup_iqr: its 25th-75th percentiles across prompts; speedup_pooled: total tokens / total seconds "
             "over the same prompts, over the baseline's; speedup_specbench: Spec-Bench's speed.py, mean tokens/s over "
-            "mean baseline tokens/s (its answers re-tokenized); speedup_vs_ref: the median paired speedup against the "
+            "mean baseline tokens/s (its answers re-tokenized); throughput: new tokens over seconds across all decodes, "
+            "a batch's seconds once; speedup_vs_ref: the median paired speedup against the "
             "optimised plain decoding (ar_compiled: static cache + torch.compile), where the run timed it; "
             "peak_mem_mib: all resident at the peak (the other method's parts too), method_param_mib: the method's own "
             "parts beyond the target, peak_decode_mib: CUDA, the decode's own peak above what was resident (largest "

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from bench.results import read_records
 
 
@@ -148,3 +150,13 @@ def test_a_batch_run_records_each_prompt_as_its_decode_alone(compose_cfg, tmp_pa
     assert all(r["calls"]["draft"] > 0 for r in batched if r["method"] == "sd")  # the drafts, row by row, counted
     prov = json.loads((tmp_path / "two" / "run.json").read_text())
     assert prov["compile"]["target"]["rows"] == 2 and prov["compile"]["target"]["compiled"] is False
+    # The summary: throughput counts each group's seconds once; the two runs read together are labelled apart.
+    from bench import saved, summary
+
+    sd = [r for r in batched if r["method"] == "sd"]
+    groups = {(r["batch"]["size"], r["batch"]["wall_s"]): r["batch"]["new_tokens"] for r in sd}
+    row = summary.run_summary(tmp_path / "two").set_index("method").loc["sd"]
+    assert row["batch_size"] == 2 and row["throughput"] == pytest.approx(
+        sum(groups.values()) / sum(wall for _, wall in groups))
+    df, _ = saved.load([str(tmp_path / "one"), str(tmp_path / "two")])
+    assert set(summary.summary_table(df)["label"]) == {f"{m} (batch_size={b})" for m in ("ar", "sd") for b in (1, 2)}
