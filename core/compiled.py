@@ -213,7 +213,7 @@ class CompiledLM:
         # input of every graph: (rows (n,) bool, fill (n, hidden)) for the forwards while it is set, else none.
         self.embed = module.get_input_embeddings()
         self.swap: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._no_fill: dict[int, tuple] = {}  # per row count Q: (False (1, Q), zeros (1, Q, hidden)), when none is swapped
+        self._no_fill: dict[int, tuple] = {}  # per row count Q: (False (rows, Q), zeros (rows, Q, hidden)): no swap
         self.graph = torch.compile(own_code(self._scored), dynamic=False, fullgraph=True, mode=self.options["mode"])
         self.compile_s: dict[int, float] = {}
         self.reused = False  # made by an earlier run of this process and kept (bench.kept); compile_s say what warming took
@@ -221,8 +221,8 @@ class CompiledLM:
         # ran on, whether it ran compiled.
         self.ran: tuple[int, int, int, int, bool] | None = None
         self.holder: str | None = None
-        self.forced_eager = False  # inside eagerly(): every forward runs the graphs' code uncompiled
-        self.always_eager = not compiled  # a batch's eager forwards (batch_size > 1, compile=false): never compiled
+        self.compiles = compiled  # False: a batch's eager forwards, never compiled
+        self.eager = not compiled  # every forward runs the graphs' code uncompiled (also inside eagerly())
         self.layer_inputs_of: list[tuple] = []  # per row of the last batch forward, as layer_inputs for one sequence
 
     # ------------------------------------------------------------------------------------------- the graph
@@ -263,14 +263,18 @@ class CompiledLM:
         return visible
 
     def _swapped(self, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(swapped (1, width) bool, fill (1, width, hidden))``: the rows whose token embedding :attr:`swap`
-        replaces for this forward of ``n`` real rows of one sequence, and the vectors (none: all False, zeros)."""
+        """``(swapped (rows, width) bool, fill (rows, width, hidden))``: the query rows whose token embedding
+        :attr:`swap` replaces in this forward (``n`` real rows of one sequence), and the vectors; with no swap, all
+        False and zeros for every cache row."""
         if self.swap is None:
             if width not in self._no_fill:
-                self._no_fill[width] = (torch.zeros(1, width, dtype=torch.bool, device=self.device),
-                                        torch.zeros(1, width, self.embed.embedding_dim, dtype=self.dtype,
+                rows = self.cache.rows
+                self._no_fill[width] = (torch.zeros(rows, width, dtype=torch.bool, device=self.device),
+                                        torch.zeros(rows, width, self.embed.embedding_dim, dtype=self.dtype,
                                                     device=self.device))
             return self._no_fill[width]
+        if self.cache.rows != 1:
+            raise BenchError(f"the compiled {self.role} swaps embeddings in forwards of one sequence only")
         rows, fill = self.swap
         if len(rows) != n:
             raise ValueError(f"the compiled {self.role}'s swapped embeddings are for {len(rows)} rows; the forward has {n}")
@@ -287,8 +291,12 @@ class CompiledLM:
         if len(rows) != self.cache.rows:
             raise ValueError(f"a forward of the compiled {self.role} reads all {self.cache.rows} rows of its cache")
         sizes = [len(r.ids) if r is not None else 0 for r in rows]
-        q = None if self.forced_eager or self.always_eager else bucket_for(max(sizes), self.buckets)
+        q = None if self.eager else bucket_for(max(sizes), self.buckets)
         width = q or max(sizes)
+        if max(self.cache.lengths) + width > self.cache.max_len:  # every row writes `width` rows, padding included
+            raise BenchError(f"a {self.role} forward of {max(sizes)} rows at position {max(self.cache.lengths)} passes "
+                             f"the compiled {self.role}'s cache of {self.cache.max_len} positions (the run's longest "
+                             "prompt and budget, and twice the largest bucket); a larger largest bucket makes room.")
         ids, depth, visible = [], [], []
         for b, (r, n) in enumerate(zip(rows, sizes)):
             first, deepest = (r.ids[0], max(r.depth)) if r is not None else (0, -1)
@@ -298,13 +306,7 @@ class CompiledLM:
                                          r.sees if r is not None else torch.zeros(0, 0, dtype=torch.bool)))
         ids_t, depth_t = torch.tensor(ids, device=self.device), torch.tensor(depth, device=self.device)
         visible_t = torch.stack(visible).to(self.device)
-        if self.cache.rows == 1:
-            swapped, fill = self._swapped(sizes[0], width)
-        elif self.swap is not None:
-            raise BenchError(f"the compiled {self.role} swaps embeddings in forwards of one sequence only")
-        else:
-            swapped = torch.zeros(len(rows), width, dtype=torch.bool, device=self.device)
-            fill = torch.zeros(len(rows), width, self.embed.embedding_dim, dtype=self.dtype, device=self.device)
+        swapped, fill = self._swapped(sizes[0], width)
         self.cache.lengths_t.copy_(torch.tensor(self.cache.lengths), non_blocking=True)
         self.ran = [(self.cache.lengths[b], n, width, width if q is not None else (len(r.keep) if r else 0),
                      q is not None) for b, (r, n) in enumerate(zip(rows, sizes))]
@@ -373,11 +375,6 @@ class CompiledLM:
         if rows != 1 or self.cache.rows != 1:
             raise ValueError(f"the compiled {self.role} reads one sequence at a time here (a batch: forward_rows)")
         self._refuse_hooks()
-        past = cache.get_seq_length()
-        if past + (bucket_for(n, self.buckets) or n) > cache.max_len:
-            raise BenchError(f"a {self.role} forward of {n} rows at position {past} passes the compiled "
-                             f"{self.role}'s cache of {cache.max_len} positions (the run's longest prompt and budget, and twice the largest "
-                             "bucket); a larger largest bucket makes room.")
         row = self._row_forward(0, input_ids[0].tolist(), attention_mask, position_ids, logits_to_keep)
         hidden, logits, self.layer_inputs = self._run([row])[0]
         return CausalLMOutputWithPast(logits=logits[None], hidden_states=(hidden[None],) if output_hidden_states else None)
@@ -399,11 +396,6 @@ class CompiledLM:
                 raise ValueError(f"row {b} of a batch forward is one sequence, got {ids.shape[0]}")
             parts.append(self._row_forward(b, ids[0].tolist(), row.get("attention_mask"), row.get("position_ids"),
                                            row.get("logits_to_keep", 0)))
-        width = max((len(p.ids) for p in parts if p is not None), default=0)
-        padded = bucket_for(width, self.buckets) or width
-        if max(self.cache.lengths) + padded > self.cache.max_len:
-            raise BenchError(f"a batch forward of {width} rows per sequence passes the compiled {self.role}'s cache of "
-                             f"{self.cache.max_len} positions; a larger largest bucket makes room.")
         self.layer_inputs = ()
         outs, self.layer_inputs_of = [], []
         for row, result in zip(rows, self._run(parts)):
@@ -422,11 +414,11 @@ class CompiledLM:
         """Within the block, forwards run the graphs' code uncompiled on the same static cache: for a model whose
         modules a method changes for some forwards (SWIFT's draft skips sub-layers of the target), which the compiled
         graphs would not see."""
-        self.forced_eager = True
+        before, self.eager = self.eager, True
         try:
             yield
         finally:
-            self.forced_eager = False
+            self.eager = before
 
     def _refuse_hooks(self) -> None:
         """One sentence when a hook sits on one of the model's modules: it would not run inside a compiled graph
@@ -459,7 +451,7 @@ class CompiledLM:
         do, the buckets compile afresh on a new code object rather than piling a second set onto the old one's entries
         (dynamo's recompile limit counts them): a ``torch._dynamo.reset()`` since, or a model class first made since,
         which grows transformers' output-capturing registry, whose size the graphs guard on."""
-        if self.always_eager:
+        if not self.compiles:
             return
         if self.compile_s and not self._graphs_hold():
             self.graph = torch.compile(own_code(self._scored), dynamic=False, fullgraph=True, mode=self.options["mode"])
@@ -534,8 +526,8 @@ class CompiledLM:
 
     def describe(self) -> dict:
         """What ``run.json`` says about the compiled model."""
-        options = self.options if not self.always_eager else {}  # an eager batch: nothing compiled
-        return {**options, "compiled": not self.always_eager, "rows": self.cache.rows,
+        options = self.options if self.compiles else {}  # an eager batch: nothing compiled
+        return {**options, "compiled": self.compiles, "rows": self.cache.rows,
                 "buckets": list(self.buckets), "compile_s": dict(self.compile_s), "reused": self.reused,
                 "cache_positions": self.cache.max_len, "cache_bytes": self.cache.nbytes,
                 "torch": torch.__version__}

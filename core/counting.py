@@ -19,6 +19,14 @@ from core.kv_cache import lm_forward
 from core.static_cache import RowView
 
 
+def head_rows(logits_to_keep) -> int | None:
+    """The rows a forward's output head runs on, from its ``logits_to_keep``: a 1-D tensor lists them, k > 0 is the
+    last k, 0 is all (None)."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return len(logits_to_keep)
+    return logits_to_keep if logits_to_keep > 0 else None
+
+
 class Counted:
     """Calls, scored tokens and analytic FLOPs of one role (target, draft, heads, verifier, ...)."""
 
@@ -92,8 +100,7 @@ class CountedLM(Counted):
         batch, new_tokens = input_ids.shape
         past = cache.get_seq_length() if cache is not None else 0
         # The output head runs on the last `keep` positions only (0: all), or on the positions a 1D tensor lists.
-        keep = kwargs.get("logits_to_keep", 0)
-        rows = len(keep) if isinstance(keep, torch.Tensor) else (keep if keep > 0 else None)
+        rows = head_rows(kwargs.get("logits_to_keep", 0))
         self._count(batch, new_tokens, past + new_tokens, head_rows=rows)
         if self.compiled is not None:
             if cache is self.compiled.cache:
@@ -116,10 +123,7 @@ class CountedLM(Counted):
         (counted, never hidden)."""
         if self.compiled is None or self.compiled.cache.rows != len(rows):
             raise BenchError(f"a batch forward of the {self.role} needs its static cache of {len(rows)} rows")
-        kept = []
-        for b, row in enumerate(rows):
-            keep = row.get("logits_to_keep", 0) if row is not None else 0
-            kept.append(len(keep) if isinstance(keep, torch.Tensor) else (keep if keep > 0 else None))
+        kept = [head_rows(row.get("logits_to_keep", 0)) if row is not None else None for row in rows]
         lengths = list(self.compiled.cache.lengths)
         outs = self.compiled.forward_rows(rows)
         shares: list[dict | None] = []

@@ -99,9 +99,14 @@ class RowCache(Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` positions (a number <= 0, as transformers 5 takes it; 0 drops none)."""
+        self.get_seq_length()  # one row only
+        self.crop_row(0, tokens_to_remove)
+
+    def crop_row(self, b: int, tokens_to_remove: int) -> None:
+        """Drop row ``b``'s last ``-tokens_to_remove`` positions (a number <= 0; 0 drops none)."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes minus the number of positions to drop, got {tokens_to_remove}")
-        self.lengths[0] = max(self.get_seq_length() + tokens_to_remove, 0)
+        self.lengths[b] = max(self.lengths[b] + tokens_to_remove, 0)
 
     def row(self, b: int) -> RowView:
         """Row ``b`` as a cache of its own for one decode: its length, its rollback, its slots."""
@@ -145,9 +150,7 @@ class RowView:
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the row's last ``-tokens_to_remove`` positions (a number <= 0, as transformers 5 takes it)."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes minus the number of positions to drop, got {tokens_to_remove}")
-        self.owner.lengths[self.b] = max(self.owner.lengths[self.b] + tokens_to_remove, 0)
+        self.owner.crop_row(self.b, tokens_to_remove)
 
 
 class _LayerView:
