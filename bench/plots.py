@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.ticker import NullLocator  # noqa: E402
 
-from bench import summary  # noqa: E402
+from bench import saved, summary  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +235,91 @@ def flops_vs_latency(df: pd.DataFrame, runs: list[dict], table: pd.DataFrame):
     return fig
 
 
+def _batch_points(df: pd.DataFrame, table: pd.DataFrame) -> pd.DataFrame | str:
+    """The summary's rows with ``line`` (their label without the batch size: one line per method setting) and ``B``
+    (their batch size), when the records hold more than one batch size; else why not."""
+    if "batch_size" not in df or df["batch_size"].fillna(1).nunique() < 2:
+        return "the records hold one batch size"
+    line = dict(zip(df["label"], saved.labels(df, axis="batch_size")))
+    size = dict(zip(df["label"], df["batch_size"].fillna(1).astype(int)))
+    return table.assign(line=table["label"].map(line), B=table["label"].map(size))
+
+
+def speedup_by_batch(df: pd.DataFrame, runs: list[dict], table: pd.DataFrame):
+    """Issue 41: each method's median paired speedup over the baseline at the same batch size (with the bootstrap
+    interval) against the batch size, one line per method setting (one panel per pair × dataset: the input length)."""
+    points = _batch_points(df, table)
+    if isinstance(points, str):
+        return points
+    baselines = set(df.loc[df["is_baseline"], "label"])
+    points = points[points["speedup_median"].notna() & ~points["label"].isin(baselines)]
+    if points.empty:
+        return "no method with a paired baseline measurement"
+    combos = list(points.groupby(["pair", "dataset"]).groups)
+    fig, axes = plt.subplots(1, len(combos), figsize=(SINGLE * len(combos), 2.4), squeeze=False, sharey=True)
+    col = colors(points["line"])
+    for ax, (pair, dataset) in zip(axes[0], combos):
+        sub = points[(points["pair"] == pair) & (points["dataset"] == dataset)]
+        lines = list(sub.groupby("line"))
+        for j, (line, g) in enumerate(lines):
+            g = g.sort_values("B")
+            med = g["speedup_median"].to_numpy(float)
+            err = np.nan_to_num(np.array([med - g["speedup_lo"].to_numpy(float), g["speedup_hi"].to_numpy(float) - med]))
+            dodge = 2.0 ** (0.04 * (j - (len(lines) - 1) / 2))  # the intervals side by side, not on top of each other
+            ax.errorbar(g["B"] * dodge, med, yerr=err, fmt="o-", ms=3, lw=1, capsize=2, color=col[line], label=line)
+        ax.axhline(1.0, color="black", lw=0.6, ls="--")
+        sizes = sorted(sub["B"].unique())
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlabel("batch size")
+        ax.set_title(f"{pair} · {dataset}")
+        ax.legend(frameon=False)
+    axes[0, 0].set_ylabel(f"speedup over {baseline_name(df)} at the same B\n(median over prompts, 95% interval)")
+    return fig
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points no other point beats on both (lower x, higher y), in order of x: ``(latency, throughput)``."""
+    front, best = [], -math.inf
+    for x, y in sorted(points, key=lambda p: (p[0], -p[1])):
+        if y > best:
+            front.append((x, y))
+            best = y
+    return front
+
+
+def throughput_vs_latency(df: pd.DataFrame, runs: list[dict], table: pd.DataFrame):
+    """Issue 41: each method setting's throughput (new tokens per second over the batch) against its per-token
+    latency (median time per output token across requests), one point per batch size joined in order of B, and the
+    Pareto front over every point (one panel per pair × dataset)."""
+    points = _batch_points(df, table)
+    if isinstance(points, str):
+        return points
+    points = points[points["throughput"].notna() & points["tpot_ms"].notna()]
+    if points.empty:
+        return "no record with a time to its first token"
+    combos = list(points.groupby(["pair", "dataset"]).groups)
+    fig, axes = plt.subplots(1, len(combos), figsize=(SINGLE * len(combos), 2.6), squeeze=False)
+    col = colors(points["line"])
+    for ax, (pair, dataset) in zip(axes[0], combos):
+        sub = points[(points["pair"] == pair) & (points["dataset"] == dataset)]
+        for line, g in sub.groupby("line"):
+            g = g.sort_values("B")
+            ax.plot(g["tpot_ms"], g["throughput"], "o-", ms=3, lw=1, color=col[line], label=line)
+            for _, r in g.iterrows():
+                ax.annotate(f"B={r['B']}", (r["tpot_ms"], r["throughput"]), fontsize=5, xytext=(2, 2),
+                            textcoords="offset points")
+        front = pareto_front(list(zip(sub["tpot_ms"], sub["throughput"])))
+        ax.step([x for x, _ in front], [y for _, y in front], where="post", color="grey", lw=2, alpha=0.35,
+                zorder=0, label="Pareto front")
+        ax.set_xlabel("time per output token (ms, median over requests)")
+        ax.set_ylabel("throughput (new tokens/s over the batch)")
+        ax.set_title(f"{pair} · {dataset}")
+        ax.legend(frameon=False)
+    return fig
+
+
 FIGURES = {
     "speedup_overview": speedup_overview,
     "speedup_by_category": speedup_by_category,
@@ -244,6 +329,8 @@ FIGURES = {
     "measured_vs_analytic": measured_vs_analytic,
     "flops_vs_latency": flops_vs_latency,
     "acceptance_by_position": acceptance_by_position,
+    "speedup_by_batch": speedup_by_batch,
+    "throughput_vs_latency": throughput_vs_latency,
 }
 
 

@@ -164,20 +164,24 @@ def compile_models(cfg: DictConfig, pair: Pair, prompts: list[list[int]], kept: 
     return compiled
 
 
-def batch_target(cfg: DictConfig, pair: Pair, prompts: list[list[int]]) -> dict[str, CompiledLM]:
+def batch_models(cfg: DictConfig, pair: Pair, prompts: list[list[int]], methods: list) -> dict[str, CompiledLM]:
     """``batch_size`` > 1: the target's forwards over a static cache of ``batch_size`` rows, one length per row (a
-    ``DynamicCache`` cannot hold rows of different lengths), compiled per bucket with ``compile`` (warmed before any
-    clock), else the same code run eagerly; checked against the eager model row by row either way. The drafts stay
-    eager, one cache per row (their forwards are not batched yet: docs/batching.md). ``{"target": it}``."""
+    ``DynamicCache`` cannot hold rows of different lengths), and each draft's too when a method batches its drafting
+    (``DraftVerify.batched_drafting``); compiled per bucket with ``compile`` (warmed before any clock), else the same
+    code run eagerly; each checked against the eager model row by row either way. A method that does not batch its
+    drafting drafts eagerly, one cache per row (docs/batching.md). ``{role: batch forwards}``."""
     longest = max((len(p) for p in prompts), default=0) + max(int(cfg.max_new_tokens), 16)
-    graphs = CompiledLM(pair.target.module, longest, tuple(cfg.compile_buckets), role="target",
-                        rows=int(cfg.batch_size), compiled=bool(cfg.compile))
-    log.info("the target's batch forwards: %d rows%s", graphs.cache.rows,
-             f", compiled for {len(graphs.buckets)} row buckets (untimed)" if cfg.compile else ", eager")
-    graphs.warm()
-    graphs.check()
-    pair.target.compiled = graphs
-    return {"target": graphs}
+    batched_drafts = any(getattr(m, "batched_drafting", False) for m in methods)
+    models = {}
+    for lm in (pair.target, *(pair.drafts if batched_drafts else [])):
+        graphs = CompiledLM(lm.module, longest, tuple(cfg.compile_buckets), role=lm.role,
+                            rows=int(cfg.batch_size), compiled=bool(cfg.compile))
+        log.info("the %s's batch forwards: %d rows%s", lm.role, graphs.cache.rows,
+                 f", compiled for {len(graphs.buckets)} row buckets (untimed)" if cfg.compile else ", eager")
+        graphs.warm()
+        graphs.check()
+        lm.compiled = models[lm.role] = graphs
+    return models
 
 
 def uncompile(pair: Pair, keep: bool) -> None:
@@ -380,7 +384,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
         prov["kernels"] = pair.kernels  # which CPU kernel each forward size took, and why (timings)
         # The optimised plain-decoding reference, with ar's stop tokens; its cache sized for these prompts.
         ref = reference.build(ref_mode, pair, get_method("ar")({}, pair).eos_ids, encoded, cfg.max_new_tokens)
-        compiled = (batch_target(cfg, pair, encoded) if batch > 1
+        compiled = (batch_models(cfg, pair, encoded, list(methods_.values())) if batch > 1
                     else compile_models(cfg, pair, encoded, slot.compiled if slot else None))
         prov["compile"] = {role: c.describe() for role, c in compiled.items()} or None
         # What each method holds beyond the target (its parts, its tensors), measured once, outside any clock.

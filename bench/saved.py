@@ -74,12 +74,13 @@ def load(paths: list[str], baseline: str | None = None) -> tuple[pd.DataFrame, l
     return df, runs
 
 
-def labels(df: pd.DataFrame) -> pd.Series:
+def labels(df: pd.DataFrame, axis: str | None = None) -> pd.Series:
     """A row label per record: the method's name, the training recipe behind a trained method, the settings the
     method always names (koala's base), then whichever of its settings (and of temperature, top_p,
-    max_new_tokens, compile, batch_size) vary across the loaded records, e.g. ``sd (recipe=quick, gamma=2, temperature=0.7)``."""
+    max_new_tokens, compile, batch_size) vary across the loaded records, e.g. ``sd (recipe=quick, gamma=2, temperature=0.7)``.
+    ``axis``: one of those run settings left out (a plot's x axis: the label then names one line over its values)."""
     cfg_json = df["method_cfg"].map(lambda c: json.dumps(c, sort_keys=True))
-    varying_global = [k for k in LABEL_KEYS if k in df and df[k].nunique(dropna=False) > 1]
+    varying_global = [k for k in LABEL_KEYS if k in df and k != axis and df[k].nunique(dropna=False) > 1]
     varying_cfg: dict[str, list[str]] = {}
     for method, group in df.groupby("method"):
         cfgs = [json.loads(s) for s in cfg_json[group.index].unique()]

@@ -107,7 +107,9 @@ class CountedLM(Counted):
                 out = self.compiled(input_ids, cache, **kwargs)
                 self._count_padding(rows)
                 return out
-            self.uncompiled_calls += 1  # compiled, but called with another cache (or none): eager, and counted so
+            # Compiled, but called with another cache (or none): eager, and counted so (a batch's eager forwards are
+            # never compiled: nothing to count).
+            self.uncompiled_calls += self.compiled.compiles
             self.compiled.layer_inputs = ()  # the compiled forwards did not record this forward's layer inputs
             if self.compiled.swap is not None:
                 raise BenchError(f"the compiled {self.role} swaps token embeddings in its compiled forwards only; this "

@@ -225,22 +225,24 @@ def tree_scores(target, tree: Tree, side: SideRows | None, out, hidden: bool):
     return logits, (out.hidden_states[-1][0] if hidden else None)
 
 
-def read_nodes(model, cache, tree: Tree, nodes: list[int], cached: list[int], past: int) -> torch.Tensor:
-    """Feed ``model`` (a draft, a ``CountedLM``) the tree's ``nodes`` in ONE forward and return their logits
-    ``(len(nodes), vocab)``. ``cache`` holds the text up to the pending token (the root, at position ``past``), then
+def nodes_request(model, cache, tree: Tree, nodes: list[int], cached: list[int], past: int) -> dict:
+    """The ONE forward of ``model`` (a draft, a ``CountedLM``) over the tree's ``nodes``, as a method yields it
+    (``out = yield nodes_request(...)``, ``methods.base.DraftVerify.steps``; ``out.logits[0]``: the nodes' logits
+    ``(len(nodes), vocab)``). ``cache`` holds the text up to the pending token (the root, at position ``past``), then
     the tree's nodes ``cached`` in that order; ``nodes`` go in after them. Each attends to the text and to its own
     ancestors among ``cached`` and ``nodes`` (itself included) at position ``past + depth``, so its logits are its
     path's scored as a plain sequence. A single node below a cached chain of its own ancestors is a plain causal
     step. How a draft reads a token tree level by level (SpecHub's sequences, GSD's graph)."""
     device = model.device
     ids = torch.tensor([[tree.tokens[v] for v in nodes]], device=device)
+    request = {"lm": model, "cache": cache, "input_ids": ids}
     allowed = tree.ancestry()[nodes][:, cached + nodes]  # (len(nodes), len(cached) + len(nodes))
     if len(nodes) == 1 and bool(allowed.all()):
-        return model(ids, cache).logits[0]
+        return request
     dtype = next(model.module.parameters()).dtype
     mask = additive_mask(allowed, past + 1, dtype, device)  # past + 1: the text up to the pending token
     positions = (past + torch.tensor([tree.depth[v] for v in nodes], device=device)).unsqueeze(0)
-    return model(ids, cache, attention_mask=mask, position_ids=positions).logits[0]
+    return {**request, "attention_mask": mask, "position_ids": positions}
 
 
 def keep_path(cache, past: int, path: list[int]) -> None:

@@ -25,10 +25,12 @@ from functools import cached_property
 import torch
 from omegaconf import DictConfig, OmegaConf
 from pydantic import Field
+from transformers import DynamicCache
 
 from core.errors import BenchError
 from core.pair import Pair
 from core.schema import Settings, as_config, check
+from core.static_cache import RowView
 from decoding.cache import truncate_cache
 from decoding.sampling import Sampling, next_token
 from decoding.tree import SideRows, Tree, keep_path, tree_request, tree_scores
@@ -223,7 +225,7 @@ class PromptState:
     """
 
     def __init__(self, method: Method, prompt_ids: torch.Tensor, max_new_tokens: int, sampling: Sampling,
-                 generator: torch.Generator | None, on_tokens: Callable[[int], None], cache=None):
+                 generator: torch.Generator | None, on_tokens: Callable[[int], None], row: int | None = None):
         self.method, self.pair = method, method.pair
         self.prompt_ids, self.device = prompt_ids, prompt_ids.device
         self.max_new_tokens, self.sampling, self.generator = max_new_tokens, sampling, generator
@@ -233,8 +235,10 @@ class PromptState:
         # Contexts the prompt opens (a hook on a model, a compiled model's cache) and the decode closes when it ends, by
         # an error too.
         self.closing = ExitStack()
-        # The target's: its own, or its row of a batch's cache (DraftVerify.decode_batch), which the batch holds.
-        self.cache = self.own_cache(self.pair.target) if cache is None else cache
+        # Row b of a batch (DraftVerify.decode_batch), whose models' batch caches the batch holds; None: a decode alone.
+        self.row = row
+        self.batch_rows: set[str] = set()  # the roles whose batch cache's row this prompt holds
+        self.cache = self.own_cache(self.pair.target)  # the target's
         self.caches: list = []
         self.accept_lengths: list[int] = []
         self.drafted: list[int] = []
@@ -255,17 +259,30 @@ class PromptState:
         self.caches.append(cache)
 
     def own_cache(self, lm):
-        """An empty KV cache of ``lm`` (a ``CountedLM``) for this decode: its compiled forwards' static cache when
-        compiled (given back when the decode ends), else a new ``DynamicCache``."""
+        """An empty KV cache of ``lm`` (a ``CountedLM``) for this decode: in a batch, the prompt's row of ``lm``'s batch
+        cache, for the target and, for a method that batches its drafting (:attr:`DraftVerify.batched_drafting`), its
+        drafts (their forwards are then yielded, :meth:`DraftVerify.steps`); alone, its compiled forwards' static
+        cache when compiled (given back when the decode ends); else a new ``DynamicCache``."""
+        batch = lm.compiled is not None and lm.compiled.cache.rows > 1
+        if self.row is not None and batch and (lm is self.pair.target or self.method.batched_drafting):
+            if lm.role in self.batch_rows:
+                raise BenchError(f"{self.method.name} asked for a second cache of the {lm.role} in one row of a batch; "
+                                 "a method that runs two decodes of one model at once cannot decode a batch yet.")
+            self.batch_rows.add(lm.role)
+            return lm.compiled.cache.row(self.row)
+        if batch and lm is not self.pair.target:  # a method that does not batch its drafting: eager, a cache per row
+            return DynamicCache()
         cache = lm.new_cache(self.method.name)
         self.closing.callback(lm.release_cache, cache)
         return cache
 
-    def draft_cache(self, draft):
+    def draft_cache(self, draft) -> Generator[dict, object, object]:
         """A KV cache of ``draft`` (a ``CountedLM``) that has read the prompt (its cost, counted) and is tracked;
-        afterwards a method feeds it only what it has not read (``seq[cache.get_seq_length():]``)."""
+        afterwards a method feeds it only what it has not read (``seq[cache.get_seq_length():]``). A generator of the
+        prompt's draft forward (``cache = yield from state.draft_cache(draft)`` in a method's :meth:`~DraftVerify.start`),
+        which a batch runs with the other rows'."""
         cache = self.own_cache(draft)
-        draft(self.prompt_ids, cache, logits_to_keep=1)
+        yield {"lm": draft, "cache": cache, "input_ids": self.prompt_ids, "logits_to_keep": 1}
         self.track(cache)
         return cache
 
@@ -307,14 +324,22 @@ class DraftVerify(Method):
     hidden: bool = False
     prompt_logits: bool = False
     batch_refusal: str | None = None
+    # Whether the method's draft-model forwards are yielded (:meth:`steps`), so that a batch runs each drafting step of
+    # every row as ONE forward on the draft's batch cache; False: a batch drafts row after row, eagerly.
+    batched_drafting: bool = False
     State: type[PromptState] = PromptState  # one prompt's state; a method with its own subclasses it
 
     def start(self, state: PromptState) -> None:
         """Per-prompt set-up after the target's prefill, before its first token is committed (a draft's
-        prefill, an index of the prompt); part of the timed decode."""
+        prefill, an index of the prompt); part of the timed decode. May be a generator of model forwards, as
+        :meth:`propose`."""
 
     def propose(self, state: PromptState) -> Proposal:
-        """The tokens to verify after ``state.seq``; at most ``state.draft_budget`` deep. An empty tree is a plain step."""
+        """The tokens to verify after ``state.seq``; at most ``state.draft_budget`` deep. An empty tree is a plain step.
+
+        A method with :attr:`batched_drafting` writes it as a generator: it yields each draft-model forward as
+        ``{"lm": the CountedLM, "cache": its cache, "input_ids": (1, n), ...}`` (what the model takes for one
+        sequence), is sent its output, and returns the proposal; a batch runs the rows' forwards of one model as one."""
         raise NotImplementedError
 
     def verify(self, state: PromptState, proposal: Proposal, logits: torch.Tensor) -> tuple[list[int], int]:
@@ -347,26 +372,28 @@ class DraftVerify(Method):
             steps = self.steps(state)
             request = next(steps)
             while True:
+                lm, cache = request.pop("lm", self.pair.target), request.pop("cache", state.cache)
                 try:
-                    request = steps.send(self.pair.target(cache=state.cache, **request))
+                    request = steps.send(lm(cache=cache, **request))
                 except StopIteration as stop:
                     return stop.value
 
     def steps(self, state: PromptState) -> Generator[dict, object, DecodeOutput]:
-        """One prompt's decode, as a generator of its target forwards: it yields each forward's keywords (what the
-        target, a ``CountedLM``, takes for one sequence, less the cache), is sent that forward's output, and returns
-        the prompt's output. :meth:`decode` runs it alone on the prompt's cache; :meth:`decode_batch` runs one per
-        prompt and their forwards as one."""
+        """One prompt's decode, as a generator of its forwards: it yields each forward's keywords (what a
+        ``CountedLM`` takes for one sequence; the target's on the prompt's cache unless ``lm`` and ``cache`` say
+        otherwise: a draft's, from :meth:`start` or :meth:`propose`), is sent that forward's output, and returns the
+        prompt's output. :meth:`decode` runs it alone; :meth:`decode_batch` runs one per prompt and the rows' forwards of
+        one model as one."""
         target = self.pair.target
         # The prefill: the whole prompt in one forward; only the last position needs logits (unless asked).
         out = yield {"input_ids": state.prompt_ids, "logits_to_keep": 0 if self.prompt_logits else 1,
                      "output_hidden_states": self.hidden}
         state.prompt_hidden = out.hidden_states[-1][0] if self.hidden else None
         state.prompt_logits = out.logits[0] if self.prompt_logits else None
-        self.start(state)
+        yield from _forwards_of(self.start(state))
         state.commit([int(next_token(out.logits[0, -1], state.sampling, state.generator))], drafted=None)
         while not state.done:
-            proposal = self.propose(state)
+            proposal = yield from _forwards_of(self.propose(state))
             past = state.cache.get_seq_length()
             # ONE target forward scores the pending token and every proposed node (and any side rows).
             keep = {"logits_to_keep": proposal.logit_rows} if proposal.logit_rows else {}
@@ -384,12 +411,13 @@ class DraftVerify(Method):
     def decode_batch(self, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling,
                      generators: list[torch.Generator | None], on_tokens: list[Callable[[int], None]]
                      ) -> list[DecodeOutput]:
-        """Decode ``prompts`` (``(1, n_b)`` each) together, as :meth:`decode` decodes each (issue 41): every step,
-        each unfinished prompt proposes (its own drafting, row after row) and ONE target forward scores every row,
-        padded to the longest, on the target's static cache of at least ``len(prompts)`` rows
-        (``core.compiled.CompiledLM`` with ``rows``, compiled or eager); a finished row, or a row no prompt has, idles
-        as padding. Each row keeps its own cache row, randomness (``generators[b]``) and callback, and its output its
-        share of the counts (``DecodeOutput.counts``)."""
+        """Decode ``prompts`` (``(1, n_b)`` each) together, as :meth:`decode` decodes each (issue 41). One generator of
+        forwards per prompt (:meth:`steps`); each round, the rows' forwards of one model run as ONE forward, padded to
+        the longest, on that model's batch cache of at least ``len(prompts)`` rows (``core.compiled.CompiledLM`` with
+        ``rows``, compiled or eager): first a draft's, while any row drafts, then the target's, once every unfinished
+        row waits for its verification. A finished row, or a row no prompt has, idles as padding. A draft without a
+        batch cache (a method without :attr:`batched_drafting`) runs row after row. Each row keeps its own cache row,
+        randomness (``generators[b]``) and callback, and its output its share of the counts (``DecodeOutput.counts``)."""
         target = self.pair.target
         if self.batch_refusal or type(self).decode is not DraftVerify.decode:
             return super().decode_batch(prompts, max_new_tokens, sampling, generators, on_tokens)
@@ -397,10 +425,11 @@ class DraftVerify(Method):
         if not 0 < len(prompts) <= rows:
             raise BenchError(f"a batch of {len(prompts)} prompts decodes on the target's static cache of at least as "
                              f"many rows (it has {rows})")
-        cache = target.new_cache(self.name)
         with ExitStack() as stack:
-            stack.callback(target.release_cache, cache)
-            states = [self.State(self, ids, max_new_tokens, sampling, gen, told, cache=cache.row(b))
+            for lm in (target, *self.pair.drafts):  # the batch caches this batch holds
+                if lm.compiled is not None and lm.compiled.cache.rows == rows:
+                    stack.callback(lm.release_cache, lm.new_cache(self.name))
+            states = [self.State(self, ids, max_new_tokens, sampling, gen, told, row=b)
                       for b, (ids, gen, told) in enumerate(zip(prompts, generators, on_tokens))]
             for state in states:
                 stack.enter_context(state.closing)
@@ -410,28 +439,56 @@ class DraftVerify(Method):
             requests += [None] * (rows - len(prompts))  # a last, smaller group: the cache's other rows idle
             outputs: list[DecodeOutput | None] = [None] * len(prompts)
             while any(r is not None for r in requests):
-                outs, shares = target.forward_rows(requests)
+                lm = next((r["lm"] for r in requests if r is not None and r.get("lm", target) is not target), target)
+                outs = self._forward_rows(lm, [r if r is not None and r.get("lm", target) is lm else None
+                                               for r in requests], ledgers)
                 for b, out in enumerate(outs):
                     if out is None:
                         continue
-                    _add_counts(ledgers[b], {target.role: shares[b]})
-                    target.compiled.layer_inputs = target.compiled.layer_inputs_of[b]  # this row's, for its taps
-                    try:  # the row verifies, commits and drafts its next proposal (its own forwards, counted to it)
+                    if lm is target:
+                        target.compiled.layer_inputs = target.compiled.layer_inputs_of[b]  # this row's, for its taps
+                    try:  # the row goes on to its next forward (verifying, committing, drafting: counted to it)
                         requests[b] = self._counted(ledgers[b], steps[b].send, out)
                     except StopIteration as stop:
                         outputs[b], requests[b] = stop.value, None
                         outputs[b].counts = ledgers[b]
             return outputs
 
-    def _counted(self, ledger: dict, step, arg):
-        """``step(arg)`` (a row's generator moving on), what it counts on the pair added to ``ledger``."""
+    def _forward_rows(self, lm, requests: list[dict | None], ledgers: list[dict]) -> list:
+        """The rows' forwards of ``lm`` (``requests[b]``: row b's, as :meth:`steps` yields it; None: the row does not
+        run this one): ONE forward on ``lm``'s batch cache when the rows' caches are its rows (each row's share of the
+        counts added to its ledger), else one forward per row on its own cache. The outputs per row, None where none."""
+        calls = [{k: v for k, v in r.items() if k not in ("lm", "cache")} if r is not None else None for r in requests]
+        caches = [r.get("cache") if r is not None else None for r in requests]
+        if lm is self.pair.target or any(isinstance(c, RowView) for c in caches):
+            if any(c is not None and not (isinstance(c, RowView) and c.owner is lm.compiled.cache and c.b == b)
+                   for b, c in enumerate(caches)):
+                raise ValueError(f"a batch forward of the {lm.role} reads each row's own row of its batch cache")
+            outs, shares = lm.forward_rows(calls)
+            for b, share in enumerate(shares):
+                if share is not None:
+                    _add_counts(ledgers[b], {lm.role: share})
+            return outs
+        return [self._counted(ledgers[b], lambda c, r: lm(cache=c, **r), caches[b], call) if call is not None else None
+                for b, call in enumerate(calls)]
+
+    def _counted(self, ledger: dict, step, *args):
+        """``step(*args)`` (a row's generator moving on), what it counts on the pair added to ``ledger``."""
         before = self.pair.counts()
         try:
-            return step(arg)
+            return step(*args)
         finally:
             after = self.pair.counts()
             _add_counts(ledger, {role: {k: v - before.get(role, {}).get(k, 0) for k, v in stats.items()}
                                  for role, stats in after.items()})
+
+
+def _forwards_of(hook_result):
+    """What a hook (:meth:`DraftVerify.start`, :meth:`~DraftVerify.propose`) returns, through ``yield from``: a
+    generator of forwards is run to its return value; anything else is that value."""
+    if isinstance(hook_result, Generator):
+        return (yield from hook_result)
+    return hook_result
 
 
 def _add_counts(ledger: dict, delta: dict) -> None:

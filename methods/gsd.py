@@ -50,7 +50,7 @@ import torch
 from pydantic import Field
 from transformers import Cache
 
-from decoding.tree import Tree, keep_path, read_nodes
+from decoding.tree import Tree, keep_path, nodes_request
 from methods.base import DraftVerify, MethodSettings, PromptState, Proposal
 from methods.registry import register
 
@@ -127,6 +127,7 @@ class Graph:
 class GSD(DraftVerify):
     lossless = True  # the unrolled tree is verified exactly: greedy output equals ar, sampled follows the target
     drafts = 1
+    batched_drafting = True  # a batch reads every row's graph level in one draft forward
     label_settings = ("repeat",)  # -1 is the plain top-k tree without merging: a row always says which
 
     class Config(MethodSettings):
@@ -153,8 +154,8 @@ class GSD(DraftVerify):
         own: list[bool]  # tree node i stands on real parent links (the context the draft computed it in)
         tally: dict[str, int]
 
-    def start(self, state: State) -> None:
-        state.dcache = state.draft_cache(self.pair.draft)  # the draft reads the prompt: its cost, counted
+    def start(self, state: State):
+        state.dcache = yield from state.draft_cache(self.pair.draft)  # the draft reads the prompt: its cost, counted
         state.past = 0
         state.read = []
         state.graph = None
@@ -165,7 +166,7 @@ class GSD(DraftVerify):
 
     # ------------------------------------------------------------------------------------------- drafting
 
-    def propose(self, state: State) -> Proposal:
+    def propose(self, state: State):
         state.past = len(state.seq) - 1
         state.read = []
         graph = state.graph = Graph(state.seq[-1], self.cfg.repeat)
@@ -174,7 +175,8 @@ class GSD(DraftVerify):
             state.origin, state.own = [0], [True]
             return Proposal(graph.tree)
         pending = torch.tensor([state.seq[state.dcache.get_seq_length():]], device=state.device)
-        logits = self.pair.draft(pending, state.dcache, logits_to_keep=1).logits[0, -1:]
+        out = yield {"lm": self.pair.draft, "cache": state.dcache, "input_ids": pending, "logits_to_keep": 1}
+        logits = out.logits[0, -1:]
         level, forwards = [0], 1
         for d in range(depth):
             level = self.expand(graph, level, logits)
@@ -182,7 +184,8 @@ class GSD(DraftVerify):
             if not level or d + 1 == depth or len(graph) >= self.cfg.max_nodes:
                 break
             # The draft reads the level's nodes in one forward, after the nodes it read before (its cache order).
-            logits = read_nodes(self.pair.draft, state.dcache, graph.tree, level, state.read, state.past)
+            out = yield nodes_request(self.pair.draft, state.dcache, graph.tree, level, state.read, state.past)
+            logits = out.logits[0]
             state.read = state.read + level
             forwards += 1
         tree, state.origin, state.own = graph.unroll(self.cfg.max_nodes, state.draft_budget)

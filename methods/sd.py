@@ -21,6 +21,9 @@ from methods.registry import register
 def draft_chain(draft, cache, pending: list[int], gamma: int, sampling, generator, device, confidence: float = 0.0):
     """Let ``draft`` propose up to ``gamma`` tokens after ``pending`` (the committed tokens it has not seen yet).
 
+    A generator of the draft's forwards (``tokens, probs = yield from draft_chain(...)`` in a method's ``propose``;
+    ``methods.base.DraftVerify.steps``), so that a batch runs each drafting step of every row as one forward.
+
     With ``confidence`` > 0 drafting stops early after a token the draft itself gives a probability below
     ``confidence`` (that token is still proposed), as transformers' ``assistant_confidence_threshold`` does:
     past an unsure token the draft's guesses are mostly rejected, so drafting them costs time for nothing.
@@ -31,7 +34,8 @@ def draft_chain(draft, cache, pending: list[int], gamma: int, sampling, generato
     x = torch.tensor([pending], device=device)
     tokens, probs = [], []
     for _ in range(gamma):
-        logits = draft(x, cache, logits_to_keep=1).logits[0, -1]
+        out = yield {"lm": draft, "cache": cache, "input_ids": x, "logits_to_keep": 1}
+        logits = out.logits[0, -1]
         if sampling.greedy:
             tok = logits.argmax(-1)
             q = torch.softmax(logits.float(), -1) if confidence > 0 else None
@@ -50,6 +54,7 @@ def draft_chain(draft, cache, pending: list[int], gamma: int, sampling, generato
 class SD(DraftVerify):
     lossless = True
     drafts = 1
+    batched_drafting = True  # a batch drafts every row's token in one draft forward
 
     class Config(MethodSettings):
         gamma: int = Field(4, ge=1, description="tokens drafted per target call")
@@ -78,17 +83,17 @@ class SD(DraftVerify):
         dcache: Cache  # the draft's: a DynamicCache, or its compiled forwards' static one (compile=true)
         gamma: int
 
-    def start(self, state: State) -> None:
-        state.dcache = state.draft_cache(self.pair.draft)  # the draft reads the prompt too: its cost, counted
+    def start(self, state: State):
+        state.dcache = yield from state.draft_cache(self.pair.draft)  # the draft reads the prompt too: its cost, counted
         state.gamma = self.cfg.gamma
 
-    def propose(self, state: State) -> Proposal:
+    def propose(self, state: State):
         k = min(state.gamma, state.draft_budget)
         if k <= 0:
             return Proposal.chain(state.seq[-1], [])
         pending = state.seq[state.dcache.get_seq_length():]
-        tokens, q = draft_chain(self.pair.draft, state.dcache, pending, k, state.sampling, state.generator,
-                                state.device, self.cfg.confidence)
+        tokens, q = yield from draft_chain(self.pair.draft, state.dcache, pending, k, state.sampling, state.generator,
+                                           state.device, self.cfg.confidence)
         return Proposal.chain(state.seq[-1], tokens, q)
 
     def accepted(self, state: State, proposal: Proposal, path: list[int], hidden) -> None:

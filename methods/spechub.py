@@ -65,7 +65,7 @@ from pydantic import Field, model_validator
 from transformers import Cache
 
 from decoding.sampling import probs_from_logits, sample
-from decoding.tree import Tree, keep_path, read_nodes
+from decoding.tree import Tree, keep_path, nodes_request
 from decoding.verify import (
     draw_hub_pair,
     hub_acceptance,
@@ -93,6 +93,7 @@ def draw_without_replacement(q: torch.Tensor, k: int, generator) -> tuple[list[i
 class SpecHub(DraftVerify):
     lossless = True  # every verifier is exact: greedy output equals ar's, sampled output follows the target's
     drafts = 1  # the pair's draft model
+    batched_drafting = True  # a batch reads every row's tree level in one draft forward
     label_settings = ("verifier",)  # a row always says whether it is SpecHub or the RRS baseline
 
     class Config(MethodSettings):
@@ -122,9 +123,9 @@ class SpecHub(DraftVerify):
         kept_top: int  # root acceptances of the draft's top token
         expected: dict[str, list[float]]  # per call, each scheme's expected root acceptance (sampling, 2 drafts)
 
-    def start(self, state: State) -> None:
+    def start(self, state: State):
         # The draft reads the prompt once (its cost, counted); afterwards only what it has not read.
-        state.dcache = state.draft_cache(self.pair.draft)
+        state.dcache = yield from state.draft_cache(self.pair.draft)
         state.past = 0
         state.root_q, state.root_top = None, -1
         state.tree_steps = 0
@@ -134,19 +135,21 @@ class SpecHub(DraftVerify):
 
     # ------------------------------------------------------------------------------------------- drafting
 
-    def propose(self, state: State) -> Proposal:
+    def propose(self, state: State):
         depth = min(self.cfg.gamma, state.draft_budget)
         state.past = len(state.seq) - 1
         tree = Tree(state.seq[-1])
         if depth <= 0:
             return Proposal(tree)
         pending = torch.tensor([state.seq[state.dcache.get_seq_length():]], device=state.device)
-        logits = self.pair.draft(pending, state.dcache, logits_to_keep=1).logits[0, -1]
+        out = yield {"lm": self.pair.draft, "cache": state.dcache, "input_ids": pending, "logits_to_keep": 1}
+        logits = out.logits[0, -1]
         tokens, rows = self.first_tokens(state, logits)
         level = [tree.add_child(0, t, merge=False) for t in tokens]
         for _ in range(depth - 1):
             # The draft reads the tree level by level: the levels above are in its cache, in node order.
-            logits = read_nodes(self.pair.draft, state.dcache, tree, level, list(range(1, level[0])), state.past)
+            out = yield nodes_request(self.pair.draft, state.dcache, tree, level, list(range(1, level[0])), state.past)
+            logits = out.logits[0]
             if state.sampling.greedy:
                 nxt = logits.argmax(-1)
             else:

@@ -34,7 +34,6 @@ from decoding.tree import Tree
 from decoding.verify import verify_chain
 from methods._sprinter_verifier import (
     VerifierRecipe,
-    draft_forward,
     features,
     untrained_verifier,
     verifier_artifact,
@@ -49,6 +48,7 @@ from training.kit import load_or_train, untrained_if_synthetic
 class Sprinter(DraftVerify):
     lossless = False  # unchecked tokens stand: see the module docstring and bench/quality.py
     drafts = 1
+    batched_drafting = True  # a batch drafts every row's token in one draft forward
 
     class Config(MethodSettings):
         threshold: float = Field(0.5, ge=0, le=1, description="keep drafting while the verifier's score > "
@@ -86,8 +86,9 @@ class Sprinter(DraftVerify):
         x = torch.tensor([state.seq[state.dcache.get_seq_length():]], device=state.device)
         tokens, q = [], None
         for i in range(limit):
-            logits, hidden = draft_forward(self.pair.draft, x, state.dcache, logits_to_keep=1)
-            logits, hidden = logits[0, -1], hidden[0, -1]
+            out = yield {"lm": self.pair.draft, "cache": state.dcache, "input_ids": x, "logits_to_keep": 1,
+                         "output_hidden_states": True}
+            logits, hidden = out.logits[0, -1], out.hidden_states[-1][0, -1]
             if sampling.greedy:
                 tok = logits.argmax(-1)
             else:
@@ -109,14 +110,14 @@ class Sprinter(DraftVerify):
     def has_trained_parts(cls, pair_spec, settings=None) -> bool:
         return True  # the verifier
 
-    def start(self, state: State) -> None:
-        state.dcache = state.draft_cache(self.pair.draft)  # the draft reads the prompt: its cost
+    def start(self, state: State):
+        state.dcache = yield from state.draft_cache(self.pair.draft)  # the draft reads the prompt: its cost
         state.q_last = None
         state.stats = Counter()
 
-    def propose(self, state: State) -> Proposal:
+    def propose(self, state: State):
         # Never draft past the budget: the target's own token fills the last slot.
-        tokens, state.q_last, why = self.draft_run(state, min(self.cfg.max_run, state.draft_budget))
+        tokens, state.q_last, why = yield from self.draft_run(state, min(self.cfg.max_run, state.draft_budget))
         state.stats[f"runs_{why}"] += 1
         # ONE target forward over the pending token and the run; only the last two rows are needed:
         # the row scoring the last drafted token and the bonus row after it.

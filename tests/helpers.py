@@ -1,5 +1,6 @@
 """Shared test helpers: a method's shipped settings, and decoding a prompt with a named method on a pair."""
 
+from collections.abc import Generator
 from pathlib import Path
 
 import torch
@@ -199,6 +200,20 @@ def cache_free_greedy(pair, prompt: list[int], max_new: int) -> list[int]:
             x = torch.tensor([seq], device=pair.device)
             seq.append(int(lm_forward(pair.target.module, x).logits[0, -1].argmax()))
     return seq[len(prompt):]
+
+
+def forwards_run(hook_result):
+    """What a method's hook returns (``start``, ``propose``), each model forward it yields run as ``decode`` runs it
+    alone (``methods.base.DraftVerify.steps``)."""
+    if not isinstance(hook_result, Generator):
+        return hook_result
+    try:
+        request = next(hook_result)
+        while True:
+            lm, cache = request.pop("lm"), request.pop("cache")
+            request = hook_result.send(lm(cache=cache, **request))
+    except StopIteration as stop:
+        return stop.value
 
 
 def run_keeping_state(method, *args, **kwargs):

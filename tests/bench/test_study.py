@@ -419,3 +419,40 @@ def test_labels_name_the_recipe_behind_trained_methods(tmp_path):
     assert sorted(df["label"].unique()) == ["ar", "sd (recipe=full)", "sd (recipe=quick)"]
     table = summary.summary_table(df)
     assert len(table[table["method"] == "sd"]) == 2
+
+
+def test_batch_figures_draw_one_line_per_method_over_the_batch_sizes(tmp_path):
+    """Issue 41's figures: sd's speedup at B = 1, 2, 4 (3x, 2x, 1x, over ar at the same B) is one line of three
+    points, each at its batch size; throughput against per-token latency has one point per B per method; a single
+    batch size draws neither, and says why."""
+    import matplotlib.figure
+
+    from bench import plots, saved, summary
+
+    for b, s in ((1, 3.0), (2, 2.0), (4, 1.0)):
+        recs = []
+        for i in range(4):
+            for method, wall in (("ar", 1.0), ("sd", 1.0 / s)):
+                rec = _record(method, f"p{i}", "qa", wall * b ** 0.5, gamma=4) if method == "sd" else \
+                    _record(method, f"p{i}", "qa", wall * b ** 0.5)
+                rec.update(batch_size=b, batch={"size": b, "wall_s": wall * b ** 0.5, "new_tokens": 10 * b})
+                recs.append(rec)
+        _write_run(tmp_path / f"b{b}", recs)
+    df, runs = saved.load([str(tmp_path)])
+    table = summary.summary_table(df)
+    points = plots._batch_points(df, table)
+    sd = points[points["method"] == "sd"].sort_values("B")
+    assert sd["line"].unique().tolist() == ["sd"] and sd["B"].tolist() == [1, 2, 4]
+    assert sd["speedup_median"].tolist() == pytest.approx([3.0, 2.0, 1.0])
+    with plt_context():
+        for fn in (plots.speedup_by_batch, plots.throughput_vs_latency):
+            assert isinstance(fn(df, runs, table), matplotlib.figure.Figure)
+        one, runs1 = saved.load([str(tmp_path / "b2")])
+        assert plots.speedup_by_batch(one, runs1, summary.summary_table(one)) == "the records hold one batch size"
+    assert plots.pareto_front([(1, 5), (2, 4), (2, 7), (3, 6), (4, 9)]) == [(1, 5), (2, 7), (4, 9)]
+
+
+def plt_context():
+    from bench import plots
+
+    return plots.plt.rc_context(plots.STYLE)

@@ -46,9 +46,9 @@ def test_a_tree_forward_gives_the_eager_logits_and_hidden_states(tiny_pair, comp
 
 
 def test_a_level_of_a_tree_read_after_its_cousins_gives_the_eager_logits(tiny_pair, compiled):
-    """How a draft reads a tree level by level (decoding.tree.read_nodes; spechub, gsd): the cached nodes of earlier
+    """How a draft reads a tree level by level (decoding.tree.nodes_request; spechub, gsd): the cached nodes of earlier
     levels that are not a node's ancestors are hidden from it, which the compiled forward's mask keeps hidden."""
-    from decoding.tree import read_nodes
+    from decoding.tree import nodes_request
 
     pair = compiled(tiny_pair)
     eager = CountedLM(tiny_pair.target.module, "target")
@@ -63,7 +63,8 @@ def test_a_level_of_a_tree_read_after_its_cousins_gives_the_eager_logits(tiny_pa
         for counted, cache, out in ((pair.target, pair.target.new_cache("test"), got), (eager, DynamicCache(), ref)):
             counted(prompt, cache)  # the text up to the pending token, the tree's root
             for level, cached in (([1, 2, 3], []), ([4, 5, 6, 7], [1, 2, 3])):
-                out.append(read_nodes(counted, cache, tree, level, cached, prompt.shape[1] - 1))
+                request = nodes_request(counted, cache, tree, level, cached, prompt.shape[1] - 1)
+                out.append(request.pop("lm")(**request).logits[0])
     assert pair.target.uncompiled_calls == 0
     torch.testing.assert_close(torch.cat(got), torch.cat(ref), rtol=1e-4, atol=1e-4)
 

@@ -33,11 +33,22 @@ def batch_graphs(tiny_pair):
     return CompiledLM(tiny_pair.target.module, max_len=1024, buckets=(1, 4, 16), rows=BATCH)
 
 
-def batched(pair, graphs):
-    """``pair`` whose target forwards go through ``graphs`` (a role table of its own)."""
+@pytest.fixture(scope="module")
+def draft_graphs(good_pair):
+    """The first draft's forwards over a cache of BATCH rows, eager (a method with batched drafting runs them)."""
+    return CompiledLM(good_pair.drafts[0].module, max_len=1024, buckets=(1, 4, 16), role="draft", rows=BATCH,
+                      compiled=False)
+
+
+def batched(pair, graphs, draft_graphs=None):
+    """``pair`` whose target forwards go through ``graphs``, and its first draft's through ``draft_graphs`` when given
+    (new counters and a role table of its own)."""
     target = CountedLM(pair.target.module, "target")
     target.compiled = graphs
-    return dataclasses.replace(pair, target=target, roles={})
+    drafts = [CountedLM(d.module, d.role) for d in pair.drafts]
+    if draft_graphs is not None:
+        drafts[0].compiled = draft_graphs
+    return dataclasses.replace(pair, target=target, drafts=drafts, roles={})
 
 
 def decode_batch(method, prompts, max_new, temperature=0.0, seeds=None):
@@ -94,12 +105,51 @@ def test_a_compiled_batch_decodes_what_each_row_decodes_alone(good_pair, batch_g
         assert sum(out.counts["target"][key] for out in got) == pytest.approx(counts[key])
 
 
+BATCHED_DRAFTING = [m for m in known_methods() if getattr(get_method(m), "batched_drafting", False)]
+
+
+def test_the_methods_that_batch_their_drafting():
+    assert BATCHED_DRAFTING == ["gsd", "sd", "spechub", "sprinter"]  # docs/batching.md lists them
+
+
+@pytest.mark.parametrize("name,settings", [("sd", {"gamma": 4}), ("sd", {"gamma": 3, "confidence": 0.5}),
+                                           *[(m, {}) for m in BATCHED_DRAFTING if m != "sd"]])
+def test_a_batch_drafts_every_row_in_one_draft_forward(good_pair, batch_graphs, draft_graphs, name, settings):
+    """A method with batched drafting on the draft's batch cache: each drafting step of every row is ONE draft forward
+    (padding the rows that drafted less, or finished: sd's fixed chains, chains that stop early per row, GSD's and
+    SpecHub's tree levels, SPRINTER's runs), and each row still decodes what it decodes alone, its draft's forwards
+    counted to it."""
+    pair = batched(good_pair, batch_graphs, draft_graphs)
+    method, alone = build(pair, name, **settings), build(good_pair, name, **settings)
+    rows = prompts(good_pair)
+    forwards = []
+    run_rows = draft_graphs.forward_rows
+    draft_graphs.forward_rows = lambda requests: forwards.append(sum(r is not None for r in requests)) or run_rows(requests)
+    try:
+        with batch_graphs.eagerly():
+            got = decode_batch(method, rows, 16)
+    finally:
+        del draft_graphs.forward_rows
+    for ids, out in zip(rows, got):
+        ref = run(alone, ids, 16)
+        assert out.output_ids == ref.output_ids and out.accept_lengths == ref.accept_lengths
+        if name == "sd":  # its own draft forwards: the prompt's, then one per drafted token
+            assert out.counts["draft"]["calls"] == 1 + sum(out.drafted)
+    assert forwards[0] == BATCH  # every row's prompt in one forward
+    assert len(forwards) < sum(out.counts["draft"]["calls"] for out in got)  # batched: fewer than the rows' own
+    if settings == {"gamma": 4}:  # rows in step: round t runs as many draft forwards as its longest chain
+        rounds = max(len(out.drafted) for out in got)
+        longest = [max(out.drafted[t] for out in got if t < len(out.drafted)) for t in range(rounds)]
+        assert len(forwards) == 1 + sum(longest)
+    assert pair.drafts[0].stats()["calls"] == sum(out.counts["draft"]["calls"] for out in got)
+
+
 @pytest.mark.parametrize("name", ["sd", "eagle", "lookahead"])  # a draft model's chain, a draft's tree, side rows
-def test_a_sampled_row_draws_what_it_draws_alone(name, good_pair, batch_graphs):
+def test_a_sampled_row_draws_what_it_draws_alone(name, good_pair, batch_graphs, draft_graphs):
     """Each row draws from its own generator, in its own order: at temperature 1 every row's tokens are those of its
     decode alone with the same seed (whose distribution is the target's: tests/methods/test_methods.py), whatever
     the other rows do."""
-    pair = batched(good_pair, batch_graphs)
+    pair = batched(good_pair, batch_graphs, draft_graphs if name == "sd" else None)
     method, alone = build(pair, name), build(good_pair, name)
     rows, seeds = prompts(good_pair), [3, 4, 5]
     with batch_graphs.eagerly():

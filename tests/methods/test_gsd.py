@@ -14,6 +14,7 @@ from tests.helpers import (
     assert_greedy_equal_to_ar,
     assert_sampling_is_the_targets,
     build,
+    forwards_run,
     noisy_copy,
     prompts_for,
     run,
@@ -98,9 +99,9 @@ def test_each_drafted_node_holds_the_drafts_top_tokens_after_its_own_path(good_p
     state = method.State(method, ids, 40, Sampling(0.0), None, lambda n: None)
     with torch.no_grad():
         good_pair.target(ids, state.cache, logits_to_keep=1)
-        method.start(state)
+        forwards_run(method.start(state))
         state.commit([looping_prompt[-1]], drafted=None)
-        method.propose(state)
+        forwards_run(method.propose(state))
         g = state.graph
         assert g.merges > 0 and len(state.read) > 3
         for v in [0, *state.read]:
