@@ -305,16 +305,20 @@ class CompiledLM:
             visible.append(self._visible(b, n, width, r.seen if r is not None else None,
                                          r.sees if r is not None else torch.zeros(0, 0, dtype=torch.bool)))
         ids_t, depth_t = torch.tensor(ids, device=self.device), torch.tensor(depth, device=self.device)
-        visible_t = torch.stack(visible).to(self.device)
+        # The slots read: all of them in a compiled graph (static shapes), else up to the longest row's end.
+        self.cache.attend = self.cache.max_len if q is not None else max(self.cache.lengths) + width
+        visible_t = torch.stack(visible)[..., :self.cache.attend].to(self.device)
         swapped, fill = self._swapped(sizes[0], width)
         self.cache.lengths_t.copy_(torch.tensor(self.cache.lengths), non_blocking=True)
         self.ran = [(self.cache.lengths[b], n, width, width if q is not None else (len(r.keep) if r else 0),
                      q is not None) for b, (r, n) in enumerate(zip(rows, sizes))]
         self.cache.writer, self.recorder.on = self, True
         try:
-            if q is None:  # uncompiled: the head on the kept rows only
+            if q is None:  # uncompiled: the head on the kept rows only, of every row at once (its weights read once)
                 hidden = self._hidden(ids_t, depth_t, visible_t, swapped, fill)
-                logits = [self.head(hidden[b, r.keep]) if r is not None else None for b, r in enumerate(rows)]
+                kept = [hidden[b, r.keep] for b, r in enumerate(rows) if r is not None]
+                scored = iter(self.head(torch.cat(kept)).split([len(k) for k in kept]))
+                logits = [next(scored) if r is not None else None for r in rows]
                 inputs = self.recorder.take()
             else:
                 if self.options["cuda_graphs"]:

@@ -51,10 +51,11 @@ class RowLayer(CacheLayerMixin):
         index = slots[:, None, :, None].expand(rows, heads, q, dim)
         self.keys.scatter_(2, index, key_states)
         self.values.scatter_(2, index, value_states)
-        return self.keys, self.values
+        attend = self.owner.attend  # the slots a forward reads: all when compiled (a static shape), else the used ones
+        return self.keys[:, :, :attend], self.values[:, :, :attend]
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
-        return self.keys.shape[-2], 0
+        return self.owner.attend, 0
 
     def get_seq_length(self) -> int:
         return self.owner.get_seq_length()
@@ -83,6 +84,10 @@ class RowCache(Cache):
         self.lengths = [0] * rows
         self.lengths_t = torch.zeros(rows, dtype=torch.long, device=device)
         self.writer = None  # the forward writing now (set by core.compiled.CompiledLM around each call)
+        # The slots the forward now running reads, from 0 (set by CompiledLM for each): ``max_len`` for a compiled one,
+        # whose shapes are static; an eager one reads only up to the longest row's end, so that a batch cache sized for
+        # a dataset's longest prompt costs a group of short ones nothing.
+        self.attend = max_len
         super().__init__(layers=[RowLayer(self, torch.zeros(shape, dtype=dtype, device=device),
                                           torch.zeros(shape, dtype=dtype, device=device))
                                  for _ in range(config.num_hidden_layers)])
