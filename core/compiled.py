@@ -56,6 +56,9 @@ from core.model_parts import decoder_layers
 from core.static_cache import RowCache
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # query rows a graph is compiled for (SGLang and vLLM capture similar sizes)
+# The cache slots a forward reads are rounded up to a multiple of this (a size of 0 or 1 would be specialised by
+# dynamo, and a multiple keeps the kernels' inner loops whole).
+ATTEND_STEP = 16
 
 
 def backend_of(device: torch.device) -> dict:
@@ -194,6 +197,9 @@ class CompiledLM:
         self.device, self.dtype = param.device, param.dtype
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         self.options = backend_of(self.device)
+        # The graphs read the cache up to the longest row's end (a dynamic size), not the whole allocation; not under
+        # CUDA graphs, which would record one graph per size at its first use, inside a timed decode.
+        self.dynamic_len = not self.options["cuda_graphs"]
         # Room past the longest sequence for the largest forward's rows (padding, or a tree's rejected nodes).
         self.cache = RowCache(module.config, rows, max_len + 2 * max(self.buckets), self.dtype, self.device)
         # Every module of the model: a hook added to one after compiling would not run inside the graphs (torch
@@ -233,6 +239,7 @@ class CompiledLM:
         cached positions, row i of each at position ``length + depth[i]``, seeing the cache slots ``visible (rows, Q,
         max_len)`` marks (the new rows are written at slots ``length .. length + Q - 1`` first); where ``swapped (rows,
         Q)`` is set the token's embedding is ``fill (rows, Q, hidden)`` instead."""
+        self.cache.attend = visible.shape[-1]  # the slots read (traced: a size of the graph's input, not a constant)
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=ids.device)
         mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]  # (rows, 1, Q, L), additive
         embeds = self.embed(ids)
@@ -261,6 +268,15 @@ class CompiledLM:
         visible[:n, past:past + n] = sees
         visible[torch.arange(n, width), torch.arange(past + n, past + width)] = True
         return visible
+
+    def attended(self, q: int | None, width: int) -> int:
+        """The cache slots a forward of ``width`` query rows reads, from 0: up to the longest row's end, rounded up to a
+        multiple of :data:`ATTEND_STEP`, so that a cache sized for a dataset's longest prompt costs a group of short ones
+        nothing; all of them in a CUDA graph (``q``: the bucket; None: eager), whose shapes are fixed when recorded."""
+        if q is not None and not self.dynamic_len:
+            return self.cache.max_len
+        end = max(self.cache.lengths) + width
+        return min(-(-end // ATTEND_STEP) * ATTEND_STEP, self.cache.max_len)
 
     def _swapped(self, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(swapped (rows, width) bool, fill (rows, width, hidden))``: the query rows whose token embedding
@@ -305,9 +321,7 @@ class CompiledLM:
             visible.append(self._visible(b, n, width, r.seen if r is not None else None,
                                          r.sees if r is not None else torch.zeros(0, 0, dtype=torch.bool)))
         ids_t, depth_t = torch.tensor(ids, device=self.device), torch.tensor(depth, device=self.device)
-        # The slots read: all of them in a compiled graph (static shapes), else up to the longest row's end.
-        self.cache.attend = self.cache.max_len if q is not None else max(self.cache.lengths) + width
-        visible_t = torch.stack(visible)[..., :self.cache.attend].to(self.device)
+        visible_t = torch.stack(visible)[..., :self.attended(q, width)].to(self.device)
         swapped, fill = self._swapped(sizes[0], width)
         self.cache.lengths_t.copy_(torch.tensor(self.cache.lengths), non_blocking=True)
         self.ran = [(self.cache.lengths[b], n, width, width if q is not None else (len(r.keep) if r else 0),
@@ -323,6 +337,8 @@ class CompiledLM:
             else:
                 if self.options["cuda_graphs"]:
                     torch.compiler.cudagraph_mark_step_begin()
+                if self.dynamic_len:
+                    torch._dynamo.mark_dynamic(visible_t, 2)
                 hidden, all_logits, inputs = self.graph(ids_t, depth_t, visible_t, swapped, fill)
                 logits = [all_logits[b, r.keep] if r is not None else None for b, r in enumerate(rows)]
                 if self.options["cuda_graphs"]:

@@ -47,11 +47,14 @@ class RowLayer(CacheLayerMixin):
             raise RuntimeError("a RowCache is written by its compiled model's own forwards only (this forward did "
                                "not go through core.compiled.CompiledLM)")
         rows, heads, q, dim = key_states.shape
-        slots = self.owner.lengths_t[:, None] + torch.arange(q, device=key_states.device)  # (rows, q)
-        index = slots[:, None, :, None].expand(rows, heads, q, dim)
-        self.keys.scatter_(2, index, key_states)
-        self.values.scatter_(2, index, value_states)
-        attend = self.owner.attend  # the slots a forward reads: all when compiled (a static shape), else the used ones
+        device = key_states.device
+        slots = self.owner.lengths_t[:, None, None] + torch.arange(q, device=device)  # (rows, 1, q)
+        # index_put_, not scatter_: inductor writes it in place, where a scatter_ into the cache (a graph input) became
+        # copies of the whole cache, every layer, every forward.
+        where = (torch.arange(rows, device=device)[:, None, None], torch.arange(heads, device=device)[None, :, None], slots)
+        self.keys.index_put_(where, key_states)
+        self.values.index_put_(where, value_states)
+        attend = self.owner.attend  # the slots this forward reads (CompiledLM.attended)
         return self.keys[:, :, :attend], self.values[:, :, :attend]
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
@@ -84,9 +87,8 @@ class RowCache(Cache):
         self.lengths = [0] * rows
         self.lengths_t = torch.zeros(rows, dtype=torch.long, device=device)
         self.writer = None  # the forward writing now (set by core.compiled.CompiledLM around each call)
-        # The slots the forward now running reads, from 0 (set by CompiledLM for each): ``max_len`` for a compiled one,
-        # whose shapes are static; an eager one reads only up to the longest row's end, so that a batch cache sized for
-        # a dataset's longest prompt costs a group of short ones nothing.
+        # The slots the forward now running reads, from 0 (set by each CompiledLM forward: up to the longest row's end,
+        # core.compiled.CompiledLM.attended).
         self.attend = max_len
         super().__init__(layers=[RowLayer(self, torch.zeros(shape, dtype=dtype, device=device),
                                           torch.zeros(shape, dtype=dtype, device=device))
