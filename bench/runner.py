@@ -42,32 +42,48 @@ from methods.registry import get_method
 log = logging.getLogger(__name__)
 
 
+def _clocked(method, device: torch.device, rows: int, decode, every_commit: bool = False) -> dict:
+    """The one clock frame of a timed decode: the method's counts reset, the memory baseline taken, the device
+    synchronised before each clock read, ``decode(callbacks)`` run under it with one ``on_tokens`` callback per row.
+    Returns the decode's result, ``start``, ``end``, per row ``first`` (its first token's time; with ``every_commit``
+    also ``last``, its last token's: one more synchronisation per commit, which a batch's per-row latency needs) and
+    the decode's own peak memory above its start (``above``)."""
+    method.pair.reset_counts()
+    start_bytes = memory.decode_start(device)  # CUDA: the peak reset, what is allocated before the decode
+    first: list[float | None] = [None] * rows
+    last: list[float | None] = [None] * rows
+
+    def told(b: int):
+        def on_tokens(n: int) -> None:
+            if n > 0 and (every_commit or first[b] is None):
+                sync(device)
+                last[b] = time.perf_counter()
+                first[b] = first[b] or last[b]
+
+        return on_tokens
+
+    sync(device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        result = decode([told(b) for b in range(rows)])
+    sync(device)
+    end = time.perf_counter()
+    return {"result": result, "start": start, "end": end, "first": first, "last": last,
+            "above": memory.decode_peak(device, start_bytes)}
+
+
 def timed_decode(method, pair: Pair, prompt_ids: torch.Tensor, max_new: int, sampling: Sampling, seed: int) -> dict:
     """Decode once under the clock; returns the method's output, the timings, the per-role counts (of the
     method's own role table, :func:`build_methods`) and the memory figures (:mod:`bench.memory`, read outside the
     clock)."""
     device = pair.device
-    method.pair.reset_counts()
     generator = torch.Generator(device=device).manual_seed(seed)
-    start_bytes = memory.decode_start(device)  # CUDA: the peak reset, what is allocated before the decode
-    first: list[float] = []
-
-    def on_tokens(n: int) -> None:
-        if not first and n > 0:
-            sync(device)
-            first.append(time.perf_counter())
-
-    sync(device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        decoded = method.decode(prompt_ids, max_new, sampling, generator, on_tokens)
-    sync(device)
-    end = time.perf_counter()
-    above = memory.decode_peak(device, start_bytes)
+    t = _clocked(method, device, 1, lambda told: method.decode(prompt_ids, max_new, sampling, generator, told[0]))
+    start, end, above = t["start"], t["end"], t["above"]
     return {
-        "decoded": decoded,
+        "decoded": t["result"],
         "wall_s": end - start,
-        "ttft_s": (first[0] if first else end) - start,
+        "ttft_s": (t["first"][0] or end) - start,
         "counts": method.pair.counts(),
         "peak_mem_bytes": memory.peak_memory(device),
         # The decode's own peak; a cache the decoder keeps between prompts (the reference's static one) is its too.
@@ -82,32 +98,15 @@ def timed_batch(method, pair: Pair, prompts: list[torch.Tensor], max_new: int, s
     its last token), its counts its share of the batch's (``DecodeOutput.counts``), and ``batch``: the batch's size,
     seconds and new tokens, the same for every row."""
     device = pair.device
-    method.pair.reset_counts()
     generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-    start_bytes = memory.decode_start(device)
-    first: list[float | None] = [None] * len(prompts)
-    last: list[float | None] = [None] * len(prompts)
-
-    def told(b: int):
-        def on_tokens(n: int) -> None:
-            if n > 0:
-                sync(device)
-                last[b] = time.perf_counter()
-                first[b] = first[b] or last[b]
-
-        return on_tokens
-
-    sync(device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        decoded = method.decode_batch(prompts, max_new, sampling, generators, [told(b) for b in range(len(prompts))])
-    sync(device)
-    end = time.perf_counter()
-    above = memory.decode_peak(device, start_bytes)
+    t = _clocked(method, device, len(prompts),
+                 lambda told: method.decode_batch(prompts, max_new, sampling, generators, told), every_commit=True)
+    decoded, start, end = t["result"], t["start"], t["end"]
     batch = {"size": len(prompts), "wall_s": end - start, "new_tokens": sum(len(d.output_ids) for d in decoded)}
     peak = memory.peak_memory(device)
-    return [{"decoded": d, "wall_s": (last[b] or end) - start, "ttft_s": (first[b] or end) - start, "counts": d.counts,
-             "peak_mem_bytes": peak, "peak_decode_bytes": above, "batch": batch} for b, d in enumerate(decoded)]
+    return [{"decoded": d, "wall_s": (t["last"][b] or end) - start, "ttft_s": (t["first"][b] or end) - start,
+             "counts": d.counts, "peak_mem_bytes": peak, "peak_decode_bytes": t["above"], "batch": batch}
+            for b, d in enumerate(decoded)]
 
 
 def forward_seconds(device: torch.device, model, context: torch.Tensor, new_tokens: int = 1, repeats: int = 10) -> float:
@@ -188,12 +187,13 @@ def uncompile(pair: Pair, keep: bool) -> None:
     """When the run ends: its models stop decoding through the compiled forwards. ``keep``: the run completed and its
     models and compiled forwards stay in :mod:`bench.kept` for the next compiled run of this process; else they are
     let go (their graphs hold frozen copies of the weights, or a CUDA-graph pool)."""
+    graphs = any(lm.compiled is not None and lm.compiled.compiles for lm in (pair.target, *pair.drafts))
     for lm in (pair.target, *pair.drafts):
         if lm.compiled is not None:
             lm.compiled.release()
         lm.compiled = None
     if not keep:
-        kept.release()
+        kept.release(graphs)
 
 
 def method_cfgs(cfg: DictConfig) -> dict[str, DictConfig]:
@@ -402,7 +402,8 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
             held.callback(ref.close)
         ok = False  # every record written: only then are the compiled models kept for the next run
         if compiled:
-            held.callback(lambda: uncompile(pair, keep=ok))
+            # A batch run's compiled forwards are never kept (bench.kept keeps one-row ones): let go of their graphs.
+            held.callback(lambda: uncompile(pair, keep=ok and batch == 1))
         # The reference is warmed up whatever `warmup` says: compiling its step and recording its CUDA graph are never
         # timed.
         for _ in range(max(int(cfg.warmup), 1) if ref is not None else 0):

@@ -56,8 +56,7 @@ from core.model_parts import decoder_layers
 from core.static_cache import RowCache
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # query rows a graph is compiled for (SGLang and vLLM capture similar sizes)
-# The cache slots a forward reads are rounded up to a multiple of this (a size of 0 or 1 would be specialised by
-# dynamo, and a multiple keeps the kernels' inner loops whole).
+# The cache slots an eager forward reads are rounded up to a multiple of this (the kernels' inner loops stay whole).
 ATTEND_STEP = 16
 
 
@@ -197,9 +196,6 @@ class CompiledLM:
         self.device, self.dtype = param.device, param.dtype
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         self.options = backend_of(self.device)
-        # The graphs read the cache up to the longest row's end (a dynamic size), not the whole allocation; not under
-        # CUDA graphs, which would record one graph per size at its first use, inside a timed decode.
-        self.dynamic_len = not self.options["cuda_graphs"]
         # Room past the longest sequence for the largest forward's rows (padding, or a tree's rejected nodes).
         self.cache = RowCache(module.config, rows, max_len + 2 * max(self.buckets), self.dtype, self.device)
         # Every module of the model: a hook added to one after compiling would not run inside the graphs (torch
@@ -223,9 +219,9 @@ class CompiledLM:
         self.graph = torch.compile(own_code(self._scored), dynamic=False, fullgraph=True, mode=self.options["mode"])
         self.compile_s: dict[int, float] = {}
         self.reused = False  # made by an earlier run of this process and kept (bench.kept); compile_s say what warming took
-        # The last call's forward: cached positions before it, its real rows, the rows it ran, the rows the output head
-        # ran on, whether it ran compiled.
-        self.ran: tuple[int, int, int, int, bool] | None = None
+        # The last call's forward, per row: cached positions before it, its real rows, the rows it ran, the rows the
+        # output head ran on, whether it ran compiled, the cache slots it read.
+        self.ran: list[tuple[int, int, int, int, bool, int]] | None = None
         self.holder: str | None = None
         self.compiles = compiled  # False: a batch's eager forwards, never compiled
         self.eager = not compiled  # every forward runs the graphs' code uncompiled (also inside eagerly())
@@ -270,10 +266,12 @@ class CompiledLM:
         return visible
 
     def attended(self, q: int | None, width: int) -> int:
-        """The cache slots a forward of ``width`` query rows reads, from 0: up to the longest row's end, rounded up to a
-        multiple of :data:`ATTEND_STEP`, so that a cache sized for a dataset's longest prompt costs a group of short ones
-        nothing; all of them in a CUDA graph (``q``: the bucket; None: eager), whose shapes are fixed when recorded."""
-        if q is not None and not self.dynamic_len:
+        """The cache slots a forward of ``width`` query rows reads, from 0: eagerly (``q`` None) up to the longest row's
+        end, rounded up to a multiple of :data:`ATTEND_STEP`, so that a cache sized for a dataset's longest prompt costs
+        a group of short ones nothing; all of them in a compiled graph (``q``: its bucket), whose shapes are static.
+        (A dynamic size in the graphs was tried: inductor specialised it in a contiguity check, and the graphs compiled
+        again when the size changed.)"""
+        if q is not None:
             return self.cache.max_len
         end = max(self.cache.lengths) + width
         return min(-(-end // ATTEND_STEP) * ATTEND_STEP, self.cache.max_len)
@@ -321,11 +319,12 @@ class CompiledLM:
             visible.append(self._visible(b, n, width, r.seen if r is not None else None,
                                          r.sees if r is not None else torch.zeros(0, 0, dtype=torch.bool)))
         ids_t, depth_t = torch.tensor(ids, device=self.device), torch.tensor(depth, device=self.device)
-        visible_t = torch.stack(visible)[..., :self.attended(q, width)].to(self.device)
+        attend = self.attended(q, width)
+        visible_t = torch.stack(visible)[..., :attend].to(self.device)
         swapped, fill = self._swapped(sizes[0], width)
         self.cache.lengths_t.copy_(torch.tensor(self.cache.lengths), non_blocking=True)
         self.ran = [(self.cache.lengths[b], n, width, width if q is not None else (len(r.keep) if r else 0),
-                     q is not None) for b, (r, n) in enumerate(zip(rows, sizes))]
+                     q is not None, attend) for b, (r, n) in enumerate(zip(rows, sizes))]
         self.cache.writer, self.recorder.on = self, True
         try:
             if q is None:  # uncompiled: the head on the kept rows only, of every row at once (its weights read once)
@@ -337,8 +336,6 @@ class CompiledLM:
             else:
                 if self.options["cuda_graphs"]:
                     torch.compiler.cudagraph_mark_step_begin()
-                if self.dynamic_len:
-                    torch._dynamo.mark_dynamic(visible_t, 2)
                 hidden, all_logits, inputs = self.graph(ids_t, depth_t, visible_t, swapped, fill)
                 logits = [all_logits[b, r.keep] if r is not None else None for b, r in enumerate(rows)]
                 if self.options["cuda_graphs"]:

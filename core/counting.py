@@ -149,17 +149,18 @@ class CountedLM(Counted):
     def _count_padding(self, kept: int | None) -> None:
         """What the compiled call just made ran beyond its real rows (``kept``: the real rows whose logits were kept,
         None: all): padding rows, the output head on rows whose logits nobody reads, and the static cache's masked
-        columns every row attends to."""
+        columns every row attends to (all of them in a compiled graph, up to the longest row's end eagerly)."""
         self._count_row_padding(self.compiled.ran[0], kept)
 
     def _count_row_padding(self, ran_row: tuple, kept: int | None) -> None:
         """:meth:`_count_padding` for one row of the last forward: ``ran_row`` is its ``CompiledLM.ran`` entry."""
         head = 2.0 * self.head_weights
-        past, real, ran, head_ran, compiled = ran_row
-        self.uncompiled_calls += (not compiled) and real > 0
+        past, real, ran, head_ran, compiled, attended = ran_row
+        # A batch's eager forwards (compiled=False) are never compiled: nothing to count as uncompiled.
+        self.uncompiled_calls += (not compiled) and real > 0 and self.compiled.compiles
         self.padded_tokens += ran - real
         kept_rows = real if kept is None else kept
-        self.padded_flops += (self.formula(ran, self.compiled.cache.max_len) - head * (ran - head_ran)) - (
+        self.padded_flops += (self.formula(ran, attended) - head * (ran - head_ran)) - (
             self.formula(real, past + real) - head * (real - kept_rows))
 
     def new_cache(self, holder: str):

@@ -225,7 +225,8 @@ class PromptState:
     """
 
     def __init__(self, method: Method, prompt_ids: torch.Tensor, max_new_tokens: int, sampling: Sampling,
-                 generator: torch.Generator | None, on_tokens: Callable[[int], None], row: int | None = None):
+                 generator: torch.Generator | None, on_tokens: Callable[[int], None], row: int | None = None,
+                 batch_size: int = 1):
         self.method, self.pair = method, method.pair
         self.prompt_ids, self.device = prompt_ids, prompt_ids.device
         self.max_new_tokens, self.sampling, self.generator = max_new_tokens, sampling, generator
@@ -237,6 +238,7 @@ class PromptState:
         self.closing = ExitStack()
         # Row b of a batch (DraftVerify.decode_batch), whose models' batch caches the batch holds; None: a decode alone.
         self.row = row
+        self.batch_size = batch_size  # the prompts decoded together (the run's batch_size): a draft length may follow it
         self.batch_rows: set[str] = set()  # the roles whose batch cache's row this prompt holds
         self.cache = self.own_cache(self.pair.target)  # the target's
         self.caches: list = []
@@ -264,7 +266,7 @@ class PromptState:
         drafts (their forwards are then yielded, :meth:`DraftVerify.steps`); alone, its compiled forwards' static
         cache when compiled (given back when the decode ends); else a new ``DynamicCache``."""
         batch = lm.compiled is not None and lm.compiled.cache.rows > 1
-        if self.row is not None and batch and (lm is self.pair.target or self.method.batched_drafting):
+        if self.row is not None and (lm is self.pair.target or (batch and self.method.batched_drafting)):
             if lm.role in self.batch_rows:
                 raise BenchError(f"{self.method.name} asked for a second cache of the {lm.role} in one row of a batch; "
                                  "a method that runs two decodes of one model at once cannot decode a batch yet.")
@@ -429,7 +431,7 @@ class DraftVerify(Method):
             for lm in (target, *self.pair.drafts):  # the batch caches this batch holds
                 if lm.compiled is not None and lm.compiled.cache.rows == rows:
                     stack.callback(lm.release_cache, lm.new_cache(self.name))
-            states = [self.State(self, ids, max_new_tokens, sampling, gen, told, row=b)
+            states = [self.State(self, ids, max_new_tokens, sampling, gen, told, row=b, batch_size=rows)
                       for b, (ids, gen, told) in enumerate(zip(prompts, generators, on_tokens))]
             for state in states:
                 stack.enter_context(state.closing)

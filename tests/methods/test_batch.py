@@ -163,3 +163,25 @@ def test_a_method_that_cannot_batch_yet_is_one_sentence(name, good_pair, batch_g
     method = build(batched(good_pair, batch_graphs), name)
     with batch_graphs.eagerly(), pytest.raises(BenchError, match="batch"):
         decode_batch(method, prompts(good_pair), 8)
+
+
+def test_a_draft_length_by_batch_size(good_pair, batch_graphs, draft_graphs):
+    """sd's gamma_by_batch (vLLM's num_speculative_tokens_per_batch_size): at B = 3 the gamma listed for 2 and above
+    drafts every step, and each row decodes what sd with that gamma decodes alone; alone, the one listed for 1."""
+    table = [[1, 4], [2, 2], [8, 1]]
+    pair = batched(good_pair, batch_graphs, draft_graphs)
+    method = build(pair, "sd", gamma_by_batch=table)
+    rows = prompts(good_pair)
+    with batch_graphs.eagerly():
+        got = decode_batch(method, rows, 16)
+    for ids, out in zip(rows, got):
+        assert max(out.drafted) == 2
+        assert out.output_ids == run(build(good_pair, "sd", gamma=2), ids, 16).output_ids
+    assert max(run(build(good_pair, "sd", gamma_by_batch=table), rows[0], 16).drafted) == 4
+
+
+@pytest.mark.parametrize("table", [[], [[]], [[2, 3]], [[1, 3], [1, 2]], [[1, 3], [4, 0]], [[1, 3, 4]],
+                                   [[1, 3], [8, 2], [4, 1]]])
+def test_a_bad_draft_length_table_is_one_sentence(table):
+    with pytest.raises(BenchError, match="gamma_by_batch lists"):
+        get_method("sd").check_settings({"gamma_by_batch": table})
