@@ -235,7 +235,7 @@ class CompiledLM:
         cached positions, row i of each at position ``length + depth[i]``, seeing the cache slots ``visible (rows, Q,
         max_len)`` marks (the new rows are written at slots ``length .. length + Q - 1`` first); where ``swapped (rows,
         Q)`` is set the token's embedding is ``fill (rows, Q, hidden)`` instead."""
-        self.cache.attend = visible.shape[-1]  # the slots read (traced: a size of the graph's input, not a constant)
+        self.cache.attend = visible.shape[-1]  # the slots the cache's layers hand attention (CompiledLM.attended)
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=ids.device)
         mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]  # (rows, 1, Q, L), additive
         embeds = self.embed(ids)

@@ -441,9 +441,9 @@ class DraftVerify(Method):
             requests += [None] * (rows - len(prompts))  # a last, smaller group: the cache's other rows idle
             outputs: list[DecodeOutput | None] = [None] * len(prompts)
             while any(r is not None for r in requests):
-                lm = next((r["lm"] for r in requests if r is not None and r.get("lm", target) is not target), target)
-                outs = self._forward_rows(lm, [r if r is not None and r.get("lm", target) is lm else None
-                                               for r in requests], ledgers)
+                models = [r.get("lm", target) if r is not None else None for r in requests]  # what each row waits on
+                lm = next((m for m in models if m is not None and m is not target), target)
+                outs = self._forward_rows(lm, [r if m is lm else None for r, m in zip(requests, models)], ledgers)
                 for b, out in enumerate(outs):
                     if out is None:
                         continue
