@@ -21,6 +21,7 @@ import dataclasses
 import gc
 import json
 import logging
+import sys
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -75,7 +76,21 @@ def release(graphs: bool = False) -> None:
         return
     _slot = None
     torch._dynamo.reset()
+    drop_generated_code()
     gc.collect()
+
+
+def drop_generated_code() -> None:
+    """Let go of the Python modules inductor generated for the graphs compiled so far. With weight freezing, each
+    holds its graph's frozen weights as module attributes, and inductor keeps every one it loads (its ``PyCodeCache``
+    and ``sys.modules``) after ``torch._dynamo.reset()``: found as the rest of a sweep's leak, a whole frozen copy of
+    the pair per batch job. Call only when no compiled graph is used again (dynamo reset)."""
+    from torch._inductor.codecache import PyCodeCache
+
+    for mod in PyCodeCache.modules:
+        if sys.modules.get(mod.__name__) is mod:
+            del sys.modules[mod.__name__]
+    PyCodeCache.cache_clear()
 
 
 def held() -> dict:

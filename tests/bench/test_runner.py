@@ -130,6 +130,24 @@ def test_a_compiled_run_says_what_it_compiled(compose_cfg, tmp_path):
     assert kept.held() == {}
 
 
+def test_a_compiled_batch_run_lets_go_of_its_frozen_weights(compose_cfg, tmp_path):
+    """A compiled batch run keeps nothing for the next job of a sweep: when it ends, no module inductor generated for
+    its graphs still holds a tensor (with freezing, each holds its graph's frozen weights; a sweep of such jobs grew
+    by a copy of the pair per job until one was killed for memory)."""
+    import sys
+
+    import torch
+
+    from bench.runner import run
+
+    run(compose_cfg("pair=tiny", "method=pld", "batch_size=2", "compile=true", "compile_buckets=[1,16]",
+                    "max_new_tokens=8", "dataset.n_prompts=2", "warmup=0"), tmp_path)
+    assert all(r["matches_baseline"] is not False for r in read_records(tmp_path / "records.jsonl"))
+    holding = [name for name, mod in list(sys.modules.items()) if name.startswith("torch._inductor.runtime.compile_tasks.")
+               and any(isinstance(v, torch.Tensor) for v in vars(mod).values())]
+    assert holding == []
+
+
 def test_a_batch_run_records_each_prompt_as_its_decode_alone(compose_cfg, tmp_path):
     """``batch_size=2`` on 3 prompts (a last group of one): each record says its batch, its tokens are the same
     prompt's at batch_size=1 (lossless per row, the baseline's and the method's), its counts are its own row's, and
