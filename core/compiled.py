@@ -215,7 +215,7 @@ class CompiledLM:
         # input of every graph: (rows (n,) bool, fill (n, hidden)) for the forwards while it is set, else none.
         self.embed = module.get_input_embeddings()
         self.swap: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._no_fill: dict[int, tuple] = {}  # per row count Q: (False (rows, Q), zeros (rows, Q, hidden)): no swap
+        self._no_fill: dict[tuple, tuple] = {}  # per (rows, Q): (False (rows, Q), zeros (rows, Q, hidden)): no swap
         self.graph = torch.compile(own_code(self._scored), dynamic=False, fullgraph=True, mode=self.options["mode"])
         self.compile_s: dict[int, float] = {}
         self.reused = False  # made by an earlier run of this process and kept (bench.kept); compile_s say what warming took
@@ -236,12 +236,13 @@ class CompiledLM:
         max_len)`` marks (the new rows are written at slots ``length .. length + Q - 1`` first); where ``swapped (rows,
         Q)`` is set the token's embedding is ``fill (rows, Q, hidden)`` instead."""
         self.cache.attend = visible.shape[-1]  # the slots the cache's layers hand attention (CompiledLM.attended)
+        lengths = self.cache.lengths_t if self.cache.window is None else self.cache.lengths_t[self.cache.window]
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=ids.device)
         mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]  # (rows, 1, Q, L), additive
         embeds = self.embed(ids)
         embeds = torch.where(swapped[..., None], fill.to(embeds.dtype), embeds)
         return lm_forward(self.decoder, None, self.cache, inputs_embeds=embeds,
-                          position_ids=self.cache.lengths_t[:, None] + depth, attention_mask=mask).last_hidden_state
+                          position_ids=lengths[:, None] + depth, attention_mask=mask).last_hidden_state
 
     def _scored(self, ids: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor, swapped: torch.Tensor,
                 fill: torch.Tensor) -> tuple:
@@ -265,7 +266,7 @@ class CompiledLM:
         visible[torch.arange(n, width), torch.arange(past + n, past + width)] = True
         return visible
 
-    def attended(self, q: int | None, width: int) -> int:
+    def attended(self, q: int | None, width: int, lengths: list[int]) -> int:
         """The cache slots a forward of ``width`` query rows reads, from 0: eagerly (``q`` None) up to the longest row's
         end, rounded up to a multiple of :data:`ATTEND_STEP`, so that a cache sized for a dataset's longest prompt costs
         a group of short ones nothing; all of them in a compiled graph (``q``: its bucket), whose shapes are static.
@@ -273,20 +274,19 @@ class CompiledLM:
         again when the size changed.)"""
         if q is not None:
             return self.cache.max_len
-        end = max(self.cache.lengths) + width
+        end = max(lengths) + width
         return min(-(-end // ATTEND_STEP) * ATTEND_STEP, self.cache.max_len)
 
-    def _swapped(self, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _swapped(self, n: int, width: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(swapped (rows, width) bool, fill (rows, width, hidden))``: the query rows whose token embedding
         :attr:`swap` replaces in this forward (``n`` real rows of one sequence), and the vectors; with no swap, all
-        False and zeros for every cache row."""
+        False and zeros for each of the forward's ``rows`` cache rows."""
         if self.swap is None:
-            if width not in self._no_fill:
-                rows = self.cache.rows
-                self._no_fill[width] = (torch.zeros(rows, width, dtype=torch.bool, device=self.device),
-                                        torch.zeros(rows, width, self.embed.embedding_dim, dtype=self.dtype,
-                                                    device=self.device))
-            return self._no_fill[width]
+            if (rows, width) not in self._no_fill:
+                self._no_fill[rows, width] = (torch.zeros(rows, width, dtype=torch.bool, device=self.device),
+                                              torch.zeros(rows, width, self.embed.embedding_dim, dtype=self.dtype,
+                                                          device=self.device))
+            return self._no_fill[rows, width]
         if self.cache.rows != 1:
             raise BenchError(f"the compiled {self.role} swaps embeddings in forwards of one sequence only")
         rows, fill = self.swap
@@ -301,35 +301,54 @@ class CompiledLM:
         """One forward over every row of the cache: row b's ``rows[b]`` (None: an idle row, all padding), each padded
         to the bucket of the longest (its padding rows see its cached slots and themselves). Per row, ``(hidden (n,
         hidden), logits (len(keep), vocab), layer inputs ((1, n, hidden) per decoder layer))``, None for an idle row;
-        each row's length then grows by its real rows."""
+        each row's length then grows by its real rows.
+
+        A forward longer than the largest bucket (a prompt's prefill, uncompiled) runs each real row on its own slice
+        of the cache instead: padding 8 prompts to the longest cost 4.5 s of prefill at B = 8 for a fifth of the work
+        real (docs/batching.md), and at that many rows a single row already fills the kernels."""
         if len(rows) != self.cache.rows:
             raise ValueError(f"a forward of the compiled {self.role} reads all {self.cache.rows} rows of its cache")
+        longest = max(len(r.ids) if r is not None else 0 for r in rows)
+        if sum(r is not None for r in rows) < 2 or longest <= max(self.buckets):
+            return self._forward(rows, range(self.cache.rows))
+        out, ran = [], []
+        for b, r in enumerate(rows):
+            out.append(self._forward([r], [b])[0] if r is not None else None)
+            ran.append(self.ran[0] if r is not None else (self.cache.lengths[b], 0, 0, 0, False, 0))
+        self.ran = ran
+        return out
+
+    def _forward(self, rows: list[RowForward | None], at) -> list[tuple | None]:
+        """:meth:`_run`'s forward of ``rows`` on the cache rows ``at`` (all of them, or one: ``[b]``, uncompiled)."""
         sizes = [len(r.ids) if r is not None else 0 for r in rows]
-        q = None if self.eager else bucket_for(max(sizes), self.buckets)
+        lengths = [self.cache.lengths[b] for b in at]
+        alone = len(at) < self.cache.rows
+        q = None if self.eager or alone else bucket_for(max(sizes), self.buckets)
         width = q or max(sizes)
-        if max(self.cache.lengths) + width > self.cache.max_len:  # every row writes `width` rows, padding included
-            raise BenchError(f"a {self.role} forward of {max(sizes)} rows at position {max(self.cache.lengths)} passes "
+        if max(lengths) + width > self.cache.max_len:  # every row writes `width` rows, padding included
+            raise BenchError(f"a {self.role} forward of {max(sizes)} rows at position {max(lengths)} passes "
                              f"the compiled {self.role}'s cache of {self.cache.max_len} positions (the run's longest "
                              "prompt and budget, and twice the largest bucket); a larger largest bucket makes room.")
         ids, depth, visible = [], [], []
-        for b, (r, n) in enumerate(zip(rows, sizes)):
+        for b, r, n in zip(at, rows, sizes):
             first, deepest = (r.ids[0], max(r.depth)) if r is not None else (0, -1)
             ids.append((r.ids if r is not None else []) + [first] * (width - n))
             depth.append((r.depth if r is not None else []) + list(range(deepest + 1, deepest + 1 + width - n)))
             visible.append(self._visible(b, n, width, r.seen if r is not None else None,
                                          r.sees if r is not None else torch.zeros(0, 0, dtype=torch.bool)))
         ids_t, depth_t = torch.tensor(ids, device=self.device), torch.tensor(depth, device=self.device)
-        attend = self.attended(q, width)
+        attend = self.attended(q, width, lengths)
         visible_t = torch.stack(visible)[..., :attend].to(self.device)
-        swapped, fill = self._swapped(sizes[0], width)
+        swapped, fill = self._swapped(sizes[0], width, len(at))
         self.cache.lengths_t.copy_(torch.tensor(self.cache.lengths), non_blocking=True)
-        self.ran = [(self.cache.lengths[b], n, width, width if q is not None else (len(r.keep) if r else 0),
-                     q is not None, attend) for b, (r, n) in enumerate(zip(rows, sizes))]
+        self.ran = [(past, n, width, width if q is not None else (len(r.keep) if r else 0), q is not None, attend)
+                    for past, r, n in zip(lengths, rows, sizes)]
         self.cache.writer, self.recorder.on = self, True
+        self.cache.window = slice(at[0], at[0] + 1) if alone else None
         try:
             if q is None:  # uncompiled: the head on the kept rows only, of every row at once (its weights read once)
                 hidden = self._hidden(ids_t, depth_t, visible_t, swapped, fill)
-                kept = [hidden[b, r.keep] for b, r in enumerate(rows) if r is not None]
+                kept = [hidden[i, r.keep] for i, r in enumerate(rows) if r is not None]
                 scored = iter(self.head(torch.cat(kept)).split([len(k) for k in kept]))
                 logits = [next(scored) if r is not None else None for r in rows]
                 inputs = self.recorder.take()
@@ -337,21 +356,21 @@ class CompiledLM:
                 if self.options["cuda_graphs"]:
                     torch.compiler.cudagraph_mark_step_begin()
                 hidden, all_logits, inputs = self.graph(ids_t, depth_t, visible_t, swapped, fill)
-                logits = [all_logits[b, r.keep] if r is not None else None for b, r in enumerate(rows)]
+                logits = [all_logits[i, r.keep] if r is not None else None for i, r in enumerate(rows)]
                 if self.options["cuda_graphs"]:
                     hidden = hidden.clone()  # a replay overwrites its output buffers
         finally:
-            self.cache.writer, self.recorder.on = None, False
+            self.cache.writer, self.recorder.on, self.cache.window = None, False, None
             self.recorder.box.clear()
         copy = self.options["cuda_graphs"] and q is not None  # out of a CUDA graph's buffers, which the next replay reuses
         out = []
-        for b, (r, n) in enumerate(zip(rows, sizes)):
+        for i, (b, r, n) in enumerate(zip(at, rows, sizes)):
             if r is None:
                 out.append(None)
                 continue
             # A method's layer taps read them (copied out of a CUDA graph's buffers, which the next replay overwrites).
-            taps = tuple(x[b:b + 1, :n].clone() if copy else x[b:b + 1, :n] for x in inputs) if self.tapped else ()
-            out.append((hidden[b, :n], logits[b], taps))
+            taps = tuple(x[i:i + 1, :n].clone() if copy else x[i:i + 1, :n] for x in inputs) if self.tapped else ()
+            out.append((hidden[i, :n], logits[i], taps))
             self.cache.lengths[b] += n
         return out
 

@@ -48,14 +48,17 @@ class RowLayer(CacheLayerMixin):
                                "not go through core.compiled.CompiledLM)")
         rows, heads, q, dim = key_states.shape
         device = key_states.device
-        slots = self.owner.lengths_t[:, None, None] + torch.arange(q, device=device)  # (rows, 1, q)
+        window = self.owner.window  # None: every row; a slice of one row for a forward of that row alone
+        keys, values = (self.keys, self.values) if window is None else (self.keys[window], self.values[window])
+        lengths = self.owner.lengths_t if window is None else self.owner.lengths_t[window]
+        slots = lengths[:, None, None] + torch.arange(q, device=device)  # (rows, 1, q)
         # index_put_, not scatter_: inductor writes it in place, where a scatter_ into the cache (a graph input) became
         # copies of the whole cache, every layer, every forward.
         where = (torch.arange(rows, device=device)[:, None, None], torch.arange(heads, device=device)[None, :, None], slots)
-        self.keys.index_put_(where, key_states)
-        self.values.index_put_(where, value_states)
+        keys.index_put_(where, key_states)  # a view of the cache: written in place
+        values.index_put_(where, value_states)
         attend = self.owner.attend  # the slots this forward reads (CompiledLM.attended)
-        return self.keys[:, :, :attend], self.values[:, :, :attend]
+        return keys[:, :, :attend], values[:, :, :attend]
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
         return self.owner.attend, 0
@@ -87,6 +90,9 @@ class RowCache(Cache):
         self.lengths = [0] * rows
         self.lengths_t = torch.zeros(rows, dtype=torch.long, device=device)
         self.writer = None  # the forward writing now (set by core.compiled.CompiledLM around each call)
+        # The rows the forward running now reads and writes: None, all; a slice of one row for a prefill row by row
+        # (set by core.compiled.CompiledLM, uncompiled forwards only).
+        self.window: slice | None = None
         # The slots the forward now running reads, from 0 (set by each CompiledLM forward: up to the longest row's end,
         # core.compiled.CompiledLM.attended).
         self.attend = max_len

@@ -200,3 +200,28 @@ def test_a_distilled_draft_compiles_with_its_reduced_vocabulary(tiny_pair):
     graphs.release()
     assert torch.equal(got.isinf(), ref[-3:].isinf()) and int(got.isinf().sum()) > 0
     torch.testing.assert_close(got[got.isfinite()], ref[-3:][got.isfinite()], rtol=1e-4, atol=1e-4)
+
+
+def test_a_prefill_longer_than_the_largest_bucket_runs_row_by_row_unpadded(tiny_pair):
+    """A batch forward past the largest bucket (prompts' prefills, uncompiled) runs each real row on its own slice of
+    the cache: no row is padded to the longest (``ran``: each row's width is its own), an idle row costs nothing, and
+    each row's logits are its prompt's read alone; the next forward, within the buckets, reads every row at once."""
+    from core.kv_cache import lm_forward
+
+    module = tiny_pair.target.module
+    graphs = CompiledLM(module, max_len=256, buckets=(1, 4), rows=3, compiled=False)
+    ids = torch.arange(3, 60).remainder(module.config.vocab_size)
+    prompts = [ids[:30], None, ids[5:14]]
+    with torch.inference_mode():
+        outs = graphs.forward_rows([{"input_ids": p[None]} if p is not None else None for p in prompts])
+        assert [r[1:3] for r in graphs.ran] == [(30, 30), (0, 0), (9, 9)]
+        assert graphs.cache.lengths == [30, 0, 9]
+        for p, out in zip(prompts, outs):
+            if p is not None:
+                assert torch.allclose(out.logits[0], lm_forward(module, p[None]).logits[0], atol=1e-4)
+        steps = graphs.forward_rows([{"input_ids": ids[None, :1]}, None, {"input_ids": ids[None, :1]}])
+        assert graphs.ran[0][2] == graphs.ran[2][2] == 1  # one forward of all rows
+        for p, out in zip(prompts, steps):
+            if p is not None:
+                whole = lm_forward(module, torch.cat([p, ids[:1]])[None]).logits[0, -1]
+                assert torch.allclose(out.logits[0, -1], whole, atol=1e-4)
