@@ -165,13 +165,15 @@ def recorder_of(module) -> LayerRecorder:
 class RowForward:
     """One sequence's part of a forward: ``ids`` (n new tokens), each at ``depth`` below its cached length, seeing the
     cached slots ``seen (n, past)`` marks (None: all) and the new rows ``sees (n, n)`` marks, with the logits of the
-    rows ``keep`` (a 1-D tensor of indices)."""
+    rows ``keep`` (a 1-D tensor of indices); ``swap``: None, or ``(rows (n,) bool, fill (n, hidden))``, the rows whose
+    token embedding is replaced, and by what (``core.swapped_embeddings``: SPACE's mask slots)."""
 
     ids: list[int]
     depth: list[int]
     seen: torch.Tensor | None
     sees: torch.Tensor
     keep: torch.Tensor
+    swap: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class CompiledLM:
@@ -277,25 +279,28 @@ class CompiledLM:
         end = max(lengths) + width
         return min(-(-end // ATTEND_STEP) * ATTEND_STEP, self.cache.max_len)
 
-    def _swapped(self, n: int, width: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(swapped (rows, width) bool, fill (rows, width, hidden))``: the query rows whose token embedding
-        :attr:`swap` replaces in this forward (``n`` real rows of one sequence), and the vectors; with no swap, all
-        False and zeros for each of the forward's ``rows`` cache rows."""
-        if self.swap is None:
-            if (rows, width) not in self._no_fill:
-                self._no_fill[rows, width] = (torch.zeros(rows, width, dtype=torch.bool, device=self.device),
-                                              torch.zeros(rows, width, self.embed.embedding_dim, dtype=self.dtype,
-                                                          device=self.device))
-            return self._no_fill[rows, width]
-        if self.cache.rows != 1:
-            raise BenchError(f"the compiled {self.role} swaps embeddings in forwards of one sequence only")
-        rows, fill = self.swap
-        if len(rows) != n:
-            raise ValueError(f"the compiled {self.role}'s swapped embeddings are for {len(rows)} rows; the forward has {n}")
-        pad = width - n
-        swapped = torch.cat([rows.to(self.device, torch.bool), torch.zeros(pad, dtype=torch.bool, device=self.device)])
-        fill = torch.cat([fill.to(self.device, self.dtype), fill.new_zeros(pad, fill.shape[-1]).to(self.device, self.dtype)])
-        return swapped[None], fill[None]
+    def _swapped(self, rows: list[RowForward | None], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(swapped (len(rows), width) bool, fill (len(rows), width, hidden))``: the query rows of each row's forward
+        whose token embedding its ``swap`` replaces, and the vectors (padding rows never); with no swap, all False and
+        zeros."""
+        if all(r is None or r.swap is None for r in rows):
+            if (len(rows), width) not in self._no_fill:
+                self._no_fill[len(rows), width] = (
+                    torch.zeros(len(rows), width, dtype=torch.bool, device=self.device),
+                    torch.zeros(len(rows), width, self.embed.embedding_dim, dtype=self.dtype, device=self.device))
+            return self._no_fill[len(rows), width]
+        swapped = torch.zeros(len(rows), width, dtype=torch.bool, device=self.device)
+        fill = torch.zeros(len(rows), width, self.embed.embedding_dim, dtype=self.dtype, device=self.device)
+        for i, r in enumerate(rows):
+            if r is None or r.swap is None:
+                continue
+            marks, vectors = r.swap
+            if len(marks) != len(r.ids):
+                raise ValueError(f"the compiled {self.role}'s swapped embeddings are for {len(marks)} rows; the "
+                                 f"forward has {len(r.ids)}")
+            swapped[i, :len(marks)] = marks.to(self.device, torch.bool)
+            fill[i, :len(marks)] = vectors.to(self.device, self.dtype)
+        return swapped, fill
 
     def _run(self, rows: list[RowForward | None]) -> list[tuple | None]:
         """One forward over every row of the cache: row b's ``rows[b]`` (None: an idle row, all padding), each padded
@@ -339,7 +344,7 @@ class CompiledLM:
         ids_t, depth_t = torch.tensor(ids, device=self.device), torch.tensor(depth, device=self.device)
         attend = self.attended(q, width, lengths)
         visible_t = torch.stack(visible)[..., :attend].to(self.device)
-        swapped, fill = self._swapped(sizes[0], width, len(at))
+        swapped, fill = self._swapped(rows, width)
         self.cache.lengths_t.copy_(torch.tensor(self.cache.lengths), non_blocking=True)
         self.ran = [(past, n, width, width if q is not None else (len(r.keep) if r else 0), q is not None, attend)
                     for past, r, n in zip(lengths, rows, sizes)]
@@ -374,22 +379,24 @@ class CompiledLM:
             self.cache.lengths[b] += n
         return out
 
-    def _row_forward(self, b: int, input_ids: list[int], attention_mask, position_ids, logits_to_keep) -> RowForward:
+    def _row_forward(self, b: int, input_ids: list[int], attention_mask, position_ids, logits_to_keep,
+                     swap=None) -> RowForward:
         """Row ``b``'s part of a forward, from what ``lm_forward`` takes for one sequence: ``input_ids`` (n tokens),
         ``attention_mask`` None (causal) or the harness's ``(1, 1, n, past + n)`` additive tree mask, ``position_ids``
-        None or ``(1, n)``, ``logits_to_keep`` 0 (all), k (the last k) or a 1-D tensor of rows."""
+        None or ``(1, n)``, ``logits_to_keep`` 0 (all), k (the last k) or a 1-D tensor of rows; ``swap``:
+        :attr:`RowForward.swap`."""
         n, past = len(input_ids), self.cache.lengths[b]
         if isinstance(logits_to_keep, torch.Tensor):
             keep = logits_to_keep.to(self.device)
         else:
             keep = torch.arange(n - logits_to_keep if logits_to_keep else 0, n, device=self.device)
         if attention_mask is None and position_ids is None:  # causal
-            return RowForward(input_ids, list(range(n)), None, torch.ones(n, n, dtype=torch.bool).tril(), keep)
+            return RowForward(input_ids, list(range(n)), None, torch.ones(n, n, dtype=torch.bool).tril(), keep, swap)
         if attention_mask is None or position_ids is None:
             raise ValueError("a tree forward gives both attention_mask and position_ids")
         visible = (attention_mask[0, 0] == 0).cpu()
         seen = None if bool(visible[:, :past].all()) else visible[:, :past]
-        return RowForward(input_ids, (position_ids[0] - past).tolist(), seen, visible[:, past:], keep)
+        return RowForward(input_ids, (position_ids[0] - past).tolist(), seen, visible[:, past:], keep, swap)
 
     # ------------------------------------------------------------------------------------------- the forward
 
@@ -411,7 +418,7 @@ class CompiledLM:
         if rows != 1 or self.cache.rows != 1:
             raise ValueError(f"the compiled {self.role} reads one sequence at a time here (a batch: forward_rows)")
         self._refuse_hooks()
-        row = self._row_forward(0, input_ids[0].tolist(), attention_mask, position_ids, logits_to_keep)
+        row = self._row_forward(0, input_ids[0].tolist(), attention_mask, position_ids, logits_to_keep, self.swap)
         hidden, logits, self.layer_inputs = self._run([row])[0]
         return CausalLMOutputWithPast(logits=logits[None], hidden_states=(hidden[None],) if output_hidden_states else None)
 
@@ -431,7 +438,7 @@ class CompiledLM:
             if ids.shape[0] != 1:
                 raise ValueError(f"row {b} of a batch forward is one sequence, got {ids.shape[0]}")
             parts.append(self._row_forward(b, ids[0].tolist(), row.get("attention_mask"), row.get("position_ids"),
-                                           row.get("logits_to_keep", 0)))
+                                           row.get("logits_to_keep", 0), row.get("swap")))
         self.layer_inputs = ()
         outs, self.layer_inputs_of = [], []
         for row, result in zip(rows, self._run(parts)):

@@ -128,12 +128,7 @@ class RowCache(Cache):
     def prefix(self, length: int) -> DynamicCache:
         """A ``DynamicCache`` holding a copy of the one row's first ``length`` positions, for eager forwards beside the
         compiled ones (SWIFT's skip-set search)."""
-        if not 0 <= length <= self.get_seq_length():
-            raise ValueError(f"the cache holds {self.get_seq_length()} positions, not {length}")
-        out = DynamicCache()
-        for i, layer in enumerate(self.layers):
-            out.update(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone(), i)
-        return out
+        return _prefix(self, length)
 
     def reset(self) -> None:
         """Empty every row (the tensors keep their addresses and contents; no forward reads past a row's length)."""
@@ -164,6 +159,21 @@ class RowView:
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the row's last ``-tokens_to_remove`` positions (a number <= 0, as transformers 5 takes it)."""
         self.owner.crop_row(self.b, tokens_to_remove)
+
+    def prefix(self, length: int) -> DynamicCache:
+        """:meth:`RowCache.prefix` of this row."""
+        return _prefix(self, length)
+
+
+def _prefix(cache: RowCache | RowView, length: int) -> DynamicCache:
+    """A ``DynamicCache`` holding a copy of one row's first ``length`` positions (``cache``: a cache of one row, or a
+    row of a batch's)."""
+    if not 0 <= length <= cache.get_seq_length():
+        raise ValueError(f"the cache holds {cache.get_seq_length()} positions, not {length}")
+    out = DynamicCache()
+    for i, layer in enumerate(cache.layers):
+        out.update(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone(), i)
+    return out
 
 
 class _LayerView:

@@ -36,7 +36,7 @@ from core.counting import CountedLM
 from core.errors import BenchError
 from core.kv_cache import lm_forward
 from core.model_parts import decoder_layers, skipping, sublayers
-from core.static_cache import RowCache
+from core.static_cache import RowCache, RowView
 from decoding.cache import truncate_cache
 
 log = logging.getLogger(__name__)
@@ -91,20 +91,36 @@ class SkippingLM(CountedLM):
     uncompiled (its graphs hold every sub-layer), counted as ``uncompiled_calls``."""
 
     def __init__(self, target: CountedLM, role: str):
-        super().__init__(target.module, role)
         self.target = target
+        super().__init__(target.module, role)
         self.full = self.formula
         self.skip = SkipSet()
+
+    @property
+    def compiled(self):
+        """The target's compiled forwards and static cache (set on the target when the run compiles it, or batches):
+        this model runs their code, uncompiled, on the target's cache."""
+        return self.target.compiled
+
+    @compiled.setter
+    def compiled(self, value) -> None:
+        if value is not None and value is not self.target.compiled:
+            raise ValueError(f"the {self.role} runs its target's compiled forwards only")
 
     def use(self, skip: SkipSet) -> None:
         self.skip = skip
         self.formula = self.full.without(sublayers(self.module, list(skip.attn), list(skip.mlp)), len(skip.attn))
 
     def __call__(self, input_ids: torch.Tensor, cache, **kwargs):
-        self.compiled = self.target.compiled  # set after this wrapper was made, when the run compiles the target
         eager = self.compiled.eagerly() if self.compiled is not None else contextlib.nullcontext()
         with eager, skipping(self.module, list(self.skip.attn), list(self.skip.mlp)):
             return super().__call__(input_ids, cache, **kwargs)
+
+    def forward_rows(self, rows: list[dict | None]):
+        """ONE forward of the drafting rows of a batch on the target's batch cache (``CountedLM.forward_rows``), run
+        uncompiled without the skipped sub-layers."""
+        with self.compiled.eagerly(), skipping(self.module, list(self.skip.attn), list(self.skip.mlp)):
+            return super().forward_rows(rows)
 
 
 def matchness(lm: SkippingLM, cache, window: list[int]) -> float:
@@ -122,7 +138,7 @@ def prompt_cache(cache, prompt_len: int):
     """A copy of ``cache`` holding the prompt's positions only: what the search's forwards extend and crop (a
     ``DynamicCache`` of a compiled target's static cache: the search's forwards run eagerly, beside the compiled
     ones)."""
-    if isinstance(cache, RowCache):
+    if isinstance(cache, (RowCache, RowView)):
         return cache.prefix(prompt_len)
     out = copy.deepcopy(cache)
     truncate_cache(out, prompt_len)

@@ -18,7 +18,7 @@ pending one, fed with the next step's proposal), so a rejected proposal is dropp
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -31,6 +31,7 @@ from core.errors import BenchError
 from core.pair import Pair
 from core.schema import Settings, as_config, check
 from core.static_cache import RowView
+from core.swapped_embeddings import swapped_embeddings
 from decoding.cache import truncate_cache
 from decoding.sampling import Sampling, next_token
 from decoding.tree import SideRows, Tree, keep_path, tree_request, tree_scores
@@ -331,6 +332,13 @@ class DraftVerify(Method):
     batched_drafting: bool = False
     State: type[PromptState] = PromptState  # one prompt's state; a method with its own subclasses it
 
+    def __init_subclass__(cls, **kwargs):
+        """A subclass with a decode loop of its own (it overrides :meth:`decode`) is refused at B > 1 unless it says
+        otherwise: a batch runs :meth:`steps`, not its loop."""
+        super().__init_subclass__(**kwargs)
+        if "decode" in cls.__dict__ and "batch_refusal" not in cls.__dict__:
+            cls.batch_refusal = Method.batch_refusal
+
     def start(self, state: PromptState) -> None:
         """Per-prompt set-up after the target's prefill, before its first token is committed (a draft's
         prefill, an index of the prompt); part of the timed decode. May be a generator of model forwards, as
@@ -341,7 +349,8 @@ class DraftVerify(Method):
 
         A method with :attr:`batched_drafting` writes it as a generator: it yields each draft-model forward as
         ``{"lm": the CountedLM, "cache": its cache, "input_ids": (1, n), ...}`` (what the model takes for one
-        sequence), is sent its output, and returns the proposal; a batch runs the rows' forwards of one model as one."""
+        sequence, and optionally ``swap``: ``(rows (n,) bool, fill (n, hidden))``, token embeddings replaced at those
+        rows), is sent its output, and returns the proposal; a batch runs the rows' forwards of one model as one."""
         raise NotImplementedError
 
     def verify(self, state: PromptState, proposal: Proposal, logits: torch.Tensor) -> tuple[list[int], int]:
@@ -376,7 +385,7 @@ class DraftVerify(Method):
             while True:
                 lm, cache = request.pop("lm", self.pair.target), request.pop("cache", state.cache)
                 try:
-                    request = steps.send(lm(cache=cache, **request))
+                    request = steps.send(_call(lm, cache, request))
                 except StopIteration as stop:
                     return stop.value
 
@@ -471,7 +480,7 @@ class DraftVerify(Method):
                 if share is not None:
                     _add_counts(ledgers[b], {lm.role: share})
             return outs
-        return [self._counted(ledgers[b], lambda c, r: lm(cache=c, **r), caches[b], call) if call is not None else None
+        return [self._counted(ledgers[b], _call, lm, caches[b], call) if call is not None else None
                 for b, call in enumerate(calls)]
 
     def _counted(self, ledger: dict, step, *args):
@@ -483,6 +492,15 @@ class DraftVerify(Method):
             after = self.pair.counts()
             _add_counts(ledger, {role: {k: v - before.get(role, {}).get(k, 0) for k, v in stats.items()}
                                  for role, stats in after.items()})
+
+
+def _call(lm, cache, request: dict):
+    """One forward of ``lm`` on ``cache`` as a request asks it (:meth:`DraftVerify.steps`: the model's keywords, and
+    ``swap``, token embeddings replaced at some rows, :mod:`core.swapped_embeddings`)."""
+    request = dict(request)
+    swap = request.pop("swap", None)
+    with swapped_embeddings(lm, *swap) if swap is not None else nullcontext():
+        return lm(cache=cache, **request)
 
 
 def _forwards_of(hook_result):

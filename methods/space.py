@@ -51,19 +51,16 @@ Where this differs from the paper, and why:
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from pydantic import Field
 
 from core.errors import BenchError
 from core.metrics import ratio
-from core.swapped_embeddings import swapped_embeddings
 from decoding.sampling import next_token
-from decoding.tree import Tree, keep_path, score_tree
+from decoding.tree import Tree, keep_path, tree_request, tree_scores
 from decoding.verify import verify_chain
 from methods._space import SpaceRecipe, space_artifact, untrained_space
-from methods.base import DecodeOutput, DraftVerify, MethodSettings, PromptState
+from methods.base import DraftVerify, MethodSettings, PromptState
 from methods.registry import register
 from training.kit import load_or_train, untrained_if_synthetic
 
@@ -102,7 +99,6 @@ def layout(pending: int, candidates: list[int], masks: int) -> tuple[Tree, list[
 @register("space")
 class Space(DraftVerify):
     lossless = True  # every candidate is verified by the target: greedy output equals ar's
-    batch_refusal = "it decodes with a loop of its own (its mask slots' forwards), which a batch does not run yet"
     Config = SpaceSettings
     label_settings = ("masks",)
 
@@ -131,16 +127,15 @@ class Space(DraftVerify):
         with torch.no_grad():
             self.embeddings = emb().to(device=self.pair.device, dtype=self.pair.dtype)  # (k, hidden)
 
-    @contextlib.contextmanager
-    def masked(self, tokens: list[int]):
-        """Inside: the target's input embedding returns the mask embeddings at the slots of ``tokens`` (the ids
-        of the forward about to run) that hold :data:`MASK`, mask i of each group (a run of k slots) its i-th.
-        Yields the ids to feed (mask slots as token 0, whose embedding is then replaced)."""
+    def masked(self, tokens: list[int]) -> dict:
+        """The forward's inputs for ``tokens`` (its ids; mask slots hold :data:`MASK`): ``input_ids (1, n)`` with each
+        mask slot as token 0, and ``swap``, the slots and the mask embeddings that replace their lookup (mask i of each
+        group, a run of k slots, its i-th): what a forward request carries (``core.swapped_embeddings``)."""
         slots = torch.tensor([t == MASK for t in tokens], device=self.pair.device)
         k = self.embeddings.shape[0]
         which = (torch.cumsum(slots.long(), 0) - 1) % k  # the i-th of its group: groups are whole runs of k
-        with swapped_embeddings(self.pair.target, slots, self.embeddings[which]):
-            yield torch.tensor([[0 if t == MASK else t for t in tokens]], device=self.pair.device)
+        ids = torch.tensor([[0 if t == MASK else t for t in tokens]], device=self.pair.device)
+        return {"input_ids": ids, "swap": (slots, self.embeddings[which])}
 
     # ------------------------------------------------------------------------------------------- the loop
 
@@ -151,34 +146,37 @@ class Space(DraftVerify):
         hits: list[int]  # ... and accepted
         scored: list[int]  # per target call after the prefill: tokens the target scored
 
-    def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens) -> DecodeOutput:
-        # Not DraftVerify's loop: the prefill itself carries a mask group, and each step's candidates come from the
-        # previous step's forward, not from a propose() before it. The commit and cache rules are the base's.
+    def steps(self, state: State):
+        """Not the base's loop: the prefill itself carries a mask group, and each step's candidates come from the
+        previous step's forward, not from a propose() before it. The commit and cache rules are the base's. A
+        generator of the target's forwards (:meth:`DraftVerify.steps`), each with its mask slots' embeddings swapped
+        in, so that a batch runs every row's in one forward."""
         # setup() loads the trained part before the timed decode; never lazily inside it.
         assert self.embeddings is not None, "call setup() before decode()"
-        state = self.State(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens)
-        with state.closing:  # the target's cache (a compiled target's) is given back however the decode ends
-            k = self.cfg.masks
-            state.tried, state.hits, state.scored = [0] * k, [0] * k, []
-            # The prefill: the prompt, then one group of masks (causal: each mask sees the prompt and the masks
-            # before it). Its last k + 1 rows: the target's first token, then the first candidates.
-            with self.masked(state.seq + [MASK] * k) as ids:
-                logits = self.pair.target(ids, state.cache, logits_to_keep=k + 1).logits[0]
-            candidates = logits[1:].argmax(-1).tolist()
-            state.commit([int(next_token(logits[0], sampling, generator))], drafted=None)  # the masks' KV is cut here
-            while not state.done:
-                candidates = self.step(state, candidates[: max(state.draft_budget, 0)])
-            return state.output(self.extra(state))
+        k = self.cfg.masks
+        state.tried, state.hits, state.scored = [0] * k, [0] * k, []
+        # The prefill: the prompt, then one group of masks (causal: each mask sees the prompt and the masks before
+        # it). Its last k + 1 rows: the target's first token, then the first candidates.
+        out = yield {**self.masked(state.seq + [MASK] * k), "logits_to_keep": k + 1}
+        logits = out.logits[0]
+        candidates = logits[1:].argmax(-1).tolist()
+        state.commit([int(next_token(logits[0], state.sampling, state.generator))], drafted=None)  # masks' KV cut
+        while not state.done:
+            candidates = yield from self.step(state, candidates[: max(state.draft_budget, 0)])
+        return state.output(self.extra(state))
 
-    def step(self, state: State, candidates: list[int]) -> list[int]:
+    def step(self, state: State, candidates: list[int]):
         """ONE target forward over the layout of ``candidates`` (as many as the budget leaves room for): verify
-        them, commit, and return the next candidates (the masks' argmax of the group after the accepted ones)."""
+        them, commit, and return the next candidates (the masks' argmax of the group after the accepted ones). A
+        generator of that forward."""
         k, a = self.cfg.masks, len(candidates)
         # With no room left the target's own token is the last one: no candidates to verify, none to make.
         tree, chain, groups = layout(state.seq[-1], candidates, k if state.draft_budget > 0 else 0)
         past = state.cache.get_seq_length()
-        with self.masked(tree.tokens) as ids:
-            logits, _ = score_tree(self.pair.target, state.cache, tree.fill(ids[0].tolist()))
+        inputs = self.masked(tree.tokens)
+        filled = tree.fill(inputs["input_ids"][0].tolist())
+        out = yield {**tree_request(self.pair.target, past, filled), "swap": inputs["swap"]}
+        logits, _ = tree_scores(self.pair.target, filled, None, out, False)
         tokens = torch.tensor(candidates, dtype=torch.long, device=logits.device)
         # Lossless: the longest prefix the target accepts (greedy match, or speculative sampling with one-hot q:
         # the candidates are deterministic), then its own token.

@@ -67,7 +67,9 @@ def width(confidence: float, widths: list[int]) -> int:
 @register("swift")
 class Swift(DraftVerify):
     lossless = True
-    batch_refusal = "its layer-skipping draft runs the target outside the verification forward"
+    # Its draft is the target with sub-layers skipped, on the target's own cache: in a batch, ONE forward of every
+    # drafting row on the target's batch cache (SkippingLM.forward_rows).
+    batched_drafting = True
     label_settings = ("search",)
 
     class Config(MethodSettings):
@@ -174,20 +176,23 @@ class Swift(DraftVerify):
         k = min(self.cfg.max_draft, state.draft_budget)
         if k <= 0:
             return Proposal.chain(state.seq[-1], [])
-        chain, confidences, rows = self.draft_chain(state, k)
+        chain, confidences, rows = yield from self.draft_chain(state, k)
         proposal = self.tree(state, chain, confidences, rows)
         state.chain_lens.append(len(chain))
         state.candidates.append(len(proposal.tree) - 1)
         return proposal
 
-    def draft_chain(self, state: State, k: int) -> tuple[list[int], list[float], list[torch.Tensor]]:
+    def draft_chain(self, state: State, k: int):
         """Up to ``k`` tokens from the skipping target, each its argmax or a sample, stopping after one whose
         (untempered) probability is below ``confidence``. Returns the tokens, those probabilities and per
-        token the logits (greedy) or the distribution it was drawn from (sampling), ``(vocab,)`` each."""
+        token the logits (greedy) or the distribution it was drawn from (sampling), ``(vocab,)`` each. A generator
+        of the skipping target's forwards, on the target's cache (a batch runs every drafting row's as one)."""
         past = state.cache.get_seq_length()
         x, chain, confidences, rows = state.seq[-1], [], [], []
         for _ in range(k):
-            logits = self.draft_lm(torch.tensor([[x]], device=state.device), state.cache, logits_to_keep=1).logits[0, -1]
+            out = yield {"lm": self.draft_lm, "cache": state.cache, "input_ids": torch.tensor([[x]], device=state.device),
+                         "logits_to_keep": 1}
+            logits = out.logits[0, -1]
             p = torch.softmax(logits.float(), -1)
             if state.sampling.greedy:
                 x, row = int(p.argmax()), logits

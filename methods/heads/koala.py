@@ -80,6 +80,7 @@ class Koala(Method):
     Config = KoalaSettings
     label_settings = ("base",)  # "koala (base=medusa)": a koala row always says which head it deepened
     train_variants = ({"base": "medusa"}, {"base": "eagle"})  # train all: KOALA over each base
+    batch_refusal = None  # a batch is its base's (decode_batch)
 
     def __init__(self, cfg, pair):
         super().__init__(cfg, pair)
@@ -109,4 +110,11 @@ class Koala(Method):
     def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens):
         decoded = self.base.decode(prompt_ids, max_new_tokens, sampling, generator, on_tokens)
         decoded.extra["base"] = self.cfg.base
+        return decoded
+
+    def decode_batch(self, prompts, max_new_tokens, sampling, generators, on_tokens):
+        """The base's batch decode (both bases run the shared loop), each row's extra naming the base."""
+        decoded = self.base.decode_batch(prompts, max_new_tokens, sampling, generators, on_tokens)
+        for out in decoded:
+            out.extra["base"] = self.cfg.base
         return decoded

@@ -58,7 +58,6 @@ def test_run_writes_records_and_provenance(tiny_run):
     (["method=medusa", "method.num_heads=3"], "unknown key method.num_heads; method=medusa has: name, tree,"),
     (["pair=gpt2", "pair.target.id=/does/not/exist"], "pair.target.id: model path '/does/not/exist' does not exist."),
     (["compile=true", "compile_buckets=[0,4]"], "compile_buckets"),
-    (["batch_size=2", "method=swift"], "method=swift cannot decode a batch yet: its layer-skipping draft"),
     (["batch_size=0"], "batch_size=0 is not allowed; it takes an integer >= 1"),
 ])
 def test_bad_input_one_sentence_exit_2_nothing_written(tmp_path, cache_dir, args, needle):

@@ -17,9 +17,6 @@ from methods.registry import get_method, known_methods
 from tests.helpers import build, noisy_copy, prompts_for, run, with_drafts
 
 BATCH = 3
-# Their own decode loop (koala, space) or a target forward outside the verification (swift's layer-skipping draft):
-# refused at B > 1 for now, in one sentence.
-UNBATCHED = {"koala", "space", "swift"}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +61,7 @@ def prompts(pair):
     return [ps[0], ps[-1][:40], ps[2]]
 
 
-@pytest.mark.parametrize("name", [m for m in known_methods() if get_method(m).lossless and m not in UNBATCHED])
+@pytest.mark.parametrize("name", [m for m in known_methods() if get_method(m).lossless])
 def test_each_row_of_a_batch_decodes_what_it_decodes_alone(name, good_pair, batch_graphs):
     pair = batched(good_pair, batch_graphs)
     method, alone = build(pair, name), build(good_pair, name)
@@ -105,11 +102,27 @@ def test_a_compiled_batch_decodes_what_each_row_decodes_alone(good_pair, batch_g
         assert sum(out.counts["target"][key] for out in got) == pytest.approx(counts[key])
 
 
+@pytest.mark.parametrize("name", ["space", "swift"])
+def test_a_compiled_batch_swaps_and_skips_per_row(name, good_pair, batch_graphs):
+    """Through the compiled batch graphs: SPACE's mask embeddings, swapped in at each row's own slots (inputs of the
+    graphs), and SWIFT's layer-skipping draft (the graphs' code run uncompiled on the target's batch cache): every
+    row decodes what it decodes alone."""
+    batch_graphs.warm()
+    pair = batched(good_pair, batch_graphs)
+    method, alone = build(pair, name), build(good_pair, name)
+    rows = prompts(good_pair)
+    with no_recompiles():
+        got = decode_batch(method, rows, 16)
+    for ids, out in zip(rows, got):
+        ref = run(alone, ids, 16)
+        assert out.output_ids == ref.output_ids and out.accept_lengths == ref.accept_lengths
+
+
 BATCHED_DRAFTING = [m for m in known_methods() if getattr(get_method(m), "batched_drafting", False)]
 
 
 def test_the_methods_that_batch_their_drafting():
-    assert BATCHED_DRAFTING == ["gsd", "sd", "spechub", "sprinter"]  # docs/batching.md lists them
+    assert BATCHED_DRAFTING == ["gsd", "sd", "spechub", "sprinter", "swift"]  # docs/batching.md lists them
 
 
 @pytest.mark.parametrize("name,settings", [("sd", {"gamma": 4}), ("sd", {"gamma": 3, "confidence": 0.5}),
@@ -117,31 +130,32 @@ def test_the_methods_that_batch_their_drafting():
 def test_a_batch_drafts_every_row_in_one_draft_forward(good_pair, batch_graphs, draft_graphs, name, settings):
     """A method with batched drafting on the draft's batch cache: each drafting step of every row is ONE draft forward
     (padding the rows that drafted less, or finished: sd's fixed chains, chains that stop early per row, GSD's and
-    SpecHub's tree levels, SPRINTER's runs), and each row still decodes what it decodes alone, its draft's forwards
-    counted to it."""
+    SpecHub's tree levels, SPRINTER's runs, SWIFT's layer-skipping target on the target's batch cache), and each row
+    still decodes what it decodes alone, its draft's forwards counted to it."""
     pair = batched(good_pair, batch_graphs, draft_graphs)
     method, alone = build(pair, name, **settings), build(good_pair, name, **settings)
+    drafter = method.draft_lm if name == "swift" else pair.drafts[0]
     rows = prompts(good_pair)
     forwards = []
-    run_rows = draft_graphs.forward_rows
-    draft_graphs.forward_rows = lambda requests: forwards.append(sum(r is not None for r in requests)) or run_rows(requests)
+    run_rows = drafter.forward_rows
+    drafter.forward_rows = lambda requests: forwards.append(sum(r is not None for r in requests)) or run_rows(requests)
     try:
         with batch_graphs.eagerly():
             got = decode_batch(method, rows, 16)
     finally:
-        del draft_graphs.forward_rows
+        del drafter.forward_rows
     for ids, out in zip(rows, got):
         ref = run(alone, ids, 16)
         assert out.output_ids == ref.output_ids and out.accept_lengths == ref.accept_lengths
         if name == "sd":  # its own draft forwards: the prompt's, then one per drafted token
             assert out.counts["draft"]["calls"] == 1 + sum(out.drafted)
-    assert forwards[0] == BATCH  # every row's prompt in one forward
-    assert len(forwards) < sum(out.counts["draft"]["calls"] for out in got)  # batched: fewer than the rows' own
+    assert forwards[0] == BATCH  # every row's prompt (swift: its first drafted token) in one forward
+    assert len(forwards) < sum(out.counts[drafter.role]["calls"] for out in got)  # batched: fewer than the rows' own
     if settings == {"gamma": 4}:  # rows in step: round t runs as many draft forwards as its longest chain
         rounds = max(len(out.drafted) for out in got)
         longest = [max(out.drafted[t] for out in got if t < len(out.drafted)) for t in range(rounds)]
         assert len(forwards) == 1 + sum(longest)
-    assert pair.drafts[0].stats()["calls"] == sum(out.counts["draft"]["calls"] for out in got)
+    assert drafter.stats()["calls"] == sum(out.counts[drafter.role]["calls"] for out in got)
 
 
 @pytest.mark.parametrize("name", ["sd", "eagle", "lookahead"])  # a draft model's chain, a draft's tree, side rows
@@ -158,11 +172,30 @@ def test_a_sampled_row_draws_what_it_draws_alone(name, good_pair, batch_graphs, 
         assert out.output_ids == run(alone, ids, 12, temperature=1.0, seed=seed).output_ids
 
 
-@pytest.mark.parametrize("name", sorted(UNBATCHED))
-def test_a_method_that_cannot_batch_yet_is_one_sentence(name, good_pair, batch_graphs):
-    method = build(batched(good_pair, batch_graphs), name)
-    with batch_graphs.eagerly(), pytest.raises(BenchError, match="batch"):
-        decode_batch(method, prompts(good_pair), 8)
+def test_every_registered_method_decodes_a_batch():
+    """No registered method is refused at B > 1 (docs/batching.md); one with a loop of its own would be."""
+    assert [m for m in known_methods() if get_method(m).batch_refusal] == []
+
+
+def test_a_method_that_cannot_batch_is_one_sentence_before_any_model_loads(compose_cfg, good_pair, batch_graphs,
+                                                                           monkeypatch):
+    """A method with a decode loop of its own (a user's, say) is refused at B > 1 when the run's settings are checked,
+    and its decode_batch says the same."""
+    from bench.validate import validate
+    from methods.base import DraftVerify
+
+    class OwnLoop(DraftVerify):
+        name = "own_loop"
+
+        def decode(self, prompt_ids, max_new_tokens, sampling, generator, on_tokens):
+            raise AssertionError("not reached")
+
+    assert OwnLoop.batch_refusal and get_method("pld").batch_refusal is None
+    with pytest.raises(BenchError, match="batch"):
+        decode_batch(OwnLoop({}, batched(good_pair, batch_graphs)), prompts(good_pair), 8)
+    monkeypatch.setattr(get_method("pld"), "batch_refusal", OwnLoop.batch_refusal)
+    with pytest.raises(BenchError, match="method=pld cannot decode a batch yet: it decodes with a loop of its own"):
+        validate(compose_cfg("pair=tiny", "method=pld", "batch_size=2"))
 
 
 def test_a_draft_length_by_batch_size(good_pair, batch_graphs, draft_graphs):

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from transformers import DynamicCache
 
 from core.errors import BenchError
+from core.swapped_embeddings import swapped_embeddings
 from decoding.tree import score_tree
 from methods._space import group_logits, row_cache, train_space
 from methods.space import MASK, Space, layout
@@ -35,8 +36,9 @@ def untrained(pair, masks):
 
 def plain(method, ids):
     """Logits ``(len(ids), vocab)`` of one causal forward over ``ids`` (MASK entries: mask embeddings, in order)."""
-    with torch.no_grad(), method.masked(ids) as x:
-        return method.pair.target.module(input_ids=x).logits[0]
+    inputs = method.masked(ids)
+    with torch.no_grad(), swapped_embeddings(method.pair.target, *inputs["swap"]):
+        return method.pair.target.module(input_ids=inputs["input_ids"]).logits[0]
 
 
 # --------------------------------------------------------------------------------------------- the layout
@@ -63,7 +65,7 @@ def test_one_forward_over_the_layout_scores_as_sequential_forwards(pair, masks):
     cache = DynamicCache()
     with torch.no_grad():
         pair.target(torch.tensor([prompt[:-1]]), cache)
-        with method.masked(tree.tokens):
+        with swapped_embeddings(pair.target, *method.masked(tree.tokens)["swap"]):
             logits, _ = score_tree(pair.target, cache, tree.fill([0 if t == MASK else t for t in tree.tokens]))
     seq = plain(method, prompt + cands)
     torch.testing.assert_close(logits[chain], seq[len(prompt) - 1 :], atol=1e-4, rtol=1e-4)
