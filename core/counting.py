@@ -185,8 +185,38 @@ class CountedLM(Counted):
 
 
 class CountedModule(Counted):
-    """A small module (draft heads, a verifier) applied to hidden states of shape ``(..., hidden)``."""
+    """A small module (draft heads, a verifier) applied to hidden states of shape ``(..., hidden)``, each position on
+    its own (no position reads another's), so that the rows of a batch can be stacked into one call
+    (:meth:`forward_rows`)."""
 
-    def __call__(self, hidden: torch.Tensor, *args, **kwargs):
+    def count(self, hidden: torch.Tensor, *args) -> None:
+        """Count one call on these inputs (what :meth:`__call__` counts; nothing runs)."""
         self._count(1, hidden.shape[:-1].numel(), 0)
-        return self.module(hidden, *args, **kwargs)
+
+    def __call__(self, hidden: torch.Tensor, *args):
+        self.count(hidden, *args)
+        return self.module(hidden, *args)
+
+    def forward_rows(self, rows: list[dict | None]) -> tuple[list, list[dict | None]]:
+        """The calls of a batch's rows as few calls as their shapes allow (issue 41): ``rows[b]`` is ``{"args": (...)}``,
+        row b's call's inputs, each with the row's items along dim 0 (None: the row makes no call). Rows whose inputs
+        agree beyond dim 0 (Hydra's heads at the same depth) are stacked into ONE call, whose output is split back
+        along dim 0. Returns each row's output (None where none) and its share of the counts: its call as one of its
+        own (as :meth:`__call__` would count it)."""
+        shares: list[dict | None] = []
+        groups: dict[tuple, list[int]] = {}
+        for b, row in enumerate(rows):
+            if row is None:
+                shares.append(None)
+                continue
+            before = self.stats()
+            self.count(*row["args"])
+            shares.append({k: v - before[k] for k, v in self.stats().items()})
+            groups.setdefault(tuple((a.shape[1:], a.dtype) for a in row["args"]), []).append(b)
+        outs: list = [None] * len(rows)
+        for members in groups.values():
+            stacked = [torch.cat(parts) for parts in zip(*(rows[b]["args"] for b in members))]
+            out = self.module(*stacked)
+            for b, part in zip(members, out.split([rows[b]["args"][0].shape[0] for b in members])):
+                outs[b] = part
+        return outs, shares

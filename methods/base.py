@@ -350,7 +350,8 @@ class DraftVerify(Method):
         A method with :attr:`batched_drafting` writes it as a generator: it yields each draft-model forward as
         ``{"lm": the CountedLM, "cache": its cache, "input_ids": (1, n), ...}`` (what the model takes for one
         sequence, and optionally ``swap``: ``(rows (n,) bool, fill (n, hidden))``, token embeddings replaced at those
-        rows), is sent its output, and returns the proposal; a batch runs the rows' forwards of one model as one."""
+        rows), or a small module's call as ``{"lm": the CountedModule, "args": (inputs,)}`` (heads), is sent its
+        output, and returns the proposal; a batch runs the rows' forwards of one model as one."""
         raise NotImplementedError
 
     def verify(self, state: PromptState, proposal: Proposal, logits: torch.Tensor) -> tuple[list[int], int]:
@@ -468,9 +469,17 @@ class DraftVerify(Method):
     def _forward_rows(self, lm, requests: list[dict | None], ledgers: list[dict]) -> list:
         """The rows' forwards of ``lm`` (``requests[b]``: row b's, as :meth:`steps` yields it; None: the row does not
         run this one): ONE forward on ``lm``'s batch cache when the rows' caches are its rows (each row's share of the
-        counts added to its ledger), else one forward per row on its own cache. The outputs per row, None where none."""
+        counts added to its ledger); a small module's calls (``args``: heads) stacked into one call per shape
+        (``core.counting.CountedModule.forward_rows``); else one forward per row on its own cache. The outputs per
+        row, None where none."""
         calls = [{k: v for k, v in r.items() if k not in ("lm", "cache")} if r is not None else None for r in requests]
         caches = [r.get("cache") if r is not None else None for r in requests]
+        if any(c is not None and "args" in c for c in calls):  # a small module's calls (heads): stacked
+            outs, shares = lm.forward_rows(calls)
+            for b, share in enumerate(shares):
+                if share is not None:
+                    _add_counts(ledgers[b], {lm.role: share})
+            return outs
         if lm is self.pair.target or any(isinstance(c, RowView) for c in caches):
             if any(c is not None and not (isinstance(c, RowView) and c.owner is lm.compiled.cache and c.b == b)
                    for b, c in enumerate(caches)):
@@ -498,6 +507,8 @@ def _call(lm, cache, request: dict):
     """One forward of ``lm`` on ``cache`` as a request asks it (:meth:`DraftVerify.steps`: the model's keywords, and
     ``swap``, token embeddings replaced at some rows, :mod:`core.swapped_embeddings`)."""
     request = dict(request)
+    if "args" in request:  # a small module's call (heads): its inputs, no cache
+        return lm(*request["args"])
     swap = request.pop("swap", None)
     with swapped_embeddings(lm, *swap) if swap is not None else nullcontext():
         return lm(cache=cache, **request)

@@ -30,7 +30,7 @@ import math
 import torch
 from torch import nn
 
-from core.counting import Counted
+from core.counting import Counted, CountedModule
 from core.flops import FlopFormula
 from core.kv_cache import lm_forward
 from core.model_parts import body_config, copy_last_layers
@@ -144,9 +144,10 @@ class CountedAdapt(Counted):
         return self.heads.adapt(hidden, emb, caches)
 
 
-class CountedAmphistaHeads(Counted):
+class CountedAmphistaHeads(CountedModule):
     """The ``heads`` role: the auto-embedding block and the K heads at one position, ``heads(staged (..., S,
-    H)) -> (..., K, V')``; a call scores the K head positions (the adaptation layers count as ``adapt``)."""
+    H)) -> (..., K, V')``; a call scores the K head positions (the adaptation layers count as ``adapt``). Positions
+    are independent (the block attends across the heads of one position), so a batch's rows stack."""
 
     def __init__(self, heads: AmphistaHeads, role: str = "heads"):
         super().__init__(heads, role)
@@ -155,7 +156,6 @@ class CountedAmphistaHeads(Counted):
         self.per_position = (FlopFormula(heads.auto, body_config(heads.stages[0].config))(K, K)
                              + 2.0 * sum(heads.head_weights(k) for k in range(K)))
 
-    def __call__(self, staged: torch.Tensor) -> torch.Tensor:
+    def count(self, staged: torch.Tensor) -> None:
         positions = staged.shape[:-2].numel()
         self._count(1, positions, 0, flops=positions * self.per_position)
-        return self.module(staged)

@@ -164,12 +164,11 @@ class CountedHeads(CountedModule):
     """The ``heads`` role. A Medusa call runs every head; a Hydra call runs one head, so it is counted as
     that head's weights only (2 FLOPs per weight per row, as in :mod:`core.flops`)."""
 
-    def __call__(self, hidden: torch.Tensor, path_emb: torch.Tensor | None = None):
+    def count(self, hidden: torch.Tensor, path_emb: torch.Tensor | None = None) -> None:
         if self.module.kind == "medusa":
-            return super().__call__(hidden)
+            return super().count(hidden)
         rows = hidden.shape[:-1].numel()
         self._count(1, rows, 0, flops=2.0 * self.module.head_weights(path_emb.shape[-2] - 1) * rows)
-        return self.module(hidden, path_emb)
 
 
 class PrefixLayer(nn.Module):

@@ -206,8 +206,10 @@ class TreeHeadsMethod(DraftVerify):
             return hiddens[-1]
         return self.prefix(hiddens.unsqueeze(0), memory)[0, -1]
 
-    def fill(self, hidden: torch.Tensor, pending: int, shape: Tree) -> Tree:
-        """``shape`` with its tokens proposed by the heads.
+    def fill(self, hidden: torch.Tensor, pending: int, shape: Tree):
+        """``shape`` with its tokens proposed by the heads: a generator of the heads' calls (``{"lm": self.heads,
+        "args": (inputs,)}``, each input with its items along dim 0; a batch stacks every row's into one call,
+        ``core.counting.CountedModule.forward_rows``), returning the tree.
 
         Args:
             hidden: the heads' input at the last committed position (:meth:`heads_input`): ``(hidden,)``, or
@@ -238,7 +240,7 @@ class TreeHeadsMethod(DraftVerify):
             state.input = self.heads_input(state.unread, state.seq[-len(state.unread):], state.memory)
             state.unread = None
         shape = self.shapes[min(state.draft_budget, self.shape.max_depth)]
-        tree = self.fill(state.input, state.seq[-1], shape) if len(shape) > 1 else Tree(state.seq[-1])
+        tree = (yield from self.fill(state.input, state.seq[-1], shape)) if len(shape) > 1 else Tree(state.seq[-1])
         state.nodes.append(len(tree))
         return Proposal(tree)
 

@@ -42,13 +42,14 @@ class Hydra(TreeHeadsMethod):
     Config = PublishedHeadsSettings
     lossless = True  # greedy, and sampling verified exactly; typical acceptance when sampling is not
 
-    def fill(self, hidden, pending, shape: Tree) -> Tree:
+    def fill(self, hidden, pending, shape: Tree):
         tokens = torch.full((len(shape),), pending, dtype=torch.long, device=hidden.device)
         vocab_map = self.heads.module.vocab_map
         for parents, paths, nodes, slots in expansion_plan(shape):
-            # Head d-1 reads h and the d tokens from the root to each parent: one batched call per depth.
+            # Head d-1 reads h and the d tokens from the root to each parent: one call per depth (in a batch, one for
+            # every row at that depth).
             emb = self.embed(tokens[paths.to(hidden.device)]).to(hidden.dtype)  # (P, d, hidden)
-            sub = self.heads(hidden.expand(len(parents), -1), emb)  # (P, V')
+            sub = yield {"lm": self.heads, "args": (hidden.expand(len(parents), -1), emb)}  # (P, V')
             width = 1 + max(rank for _, rank in slots)
             top = vocab_map[sub.topk(width, dim=-1).indices]  # (P, width)
             rows = torch.tensor(slots, device=hidden.device)

@@ -21,8 +21,9 @@ class Medusa(TreeHeadsMethod):
     Config = PublishedHeadsSettings
     lossless = True  # greedy, and sampling verified exactly; typical acceptance when sampling is not
 
-    def fill(self, hidden, pending, shape: Tree) -> Tree:
-        sub = self.heads(hidden.unsqueeze(0))[0]  # (K, V'): one call runs every head on the same hidden state
+    def fill(self, hidden, pending, shape: Tree):
+        # (K, V'): one call runs every head on the same hidden state (in a batch, one call for every row)
+        sub = (yield {"lm": self.heads, "args": (hidden.unsqueeze(0),)})[0]
         ranks = torch.tensor([p[-1] for p in shape.paths[1:]], device=sub.device)
         top = self.heads.module.vocab_map[sub[: shape.max_depth].topk(int(ranks.max()) + 1, dim=-1).indices]
         depth = torch.tensor(shape.depth[1:], device=sub.device)

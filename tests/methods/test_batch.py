@@ -158,6 +158,27 @@ def test_a_batch_drafts_every_row_in_one_draft_forward(good_pair, batch_graphs, 
     assert drafter.stats()["calls"] == sum(out.counts[drafter.role]["calls"] for out in got)
 
 
+@pytest.mark.parametrize("name", ["medusa", "hydra", "amphista"])
+def test_a_batch_runs_every_rows_heads_in_one_call(good_pair, batch_graphs, name):
+    """Heads (Medusa's, Hydra's per depth, Amphista's) are called once per drafting step for every row: the rows'
+    inputs stacked, the output split back; each row decodes what it decodes alone, and the heads' calls counted to
+    each row sum to what the heads counted."""
+    pair = batched(good_pair, batch_graphs)
+    method, alone = build(pair, name), build(good_pair, name)
+    rows = prompts(good_pair)
+    stacked = []
+    run_rows = method.heads.forward_rows
+    method.heads.forward_rows = lambda calls: stacked.append(sum(c is not None for c in calls)) or run_rows(calls)
+    with batch_graphs.eagerly():
+        got = decode_batch(method, rows, 16)
+    for ids, out in zip(rows, got):
+        ref = run(alone, ids, 16)
+        assert out.output_ids == ref.output_ids and out.accept_lengths == ref.accept_lengths
+    per_row = sum(out.counts["heads"]["calls"] for out in got)
+    assert stacked[0] == BATCH and len(stacked) < per_row  # the rows' calls share calls
+    assert method.heads.stats()["calls"] == per_row
+
+
 @pytest.mark.parametrize("name", ["sd", "eagle", "lookahead"])  # a draft model's chain, a draft's tree, side rows
 def test_a_sampled_row_draws_what_it_draws_alone(name, good_pair, batch_graphs, draft_graphs):
     """Each row draws from its own generator, in its own order: at temperature 1 every row's tokens are those of its
