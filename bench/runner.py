@@ -34,6 +34,7 @@ from bench.validate import validate_run
 from core import metrics
 from core.clock import clocked, sync
 from core.compiled import CompiledLM, check_compiler, no_recompiles
+from core.errors import BenchError
 from core.kv_cache import lm_forward
 from core.pair import Pair
 from decoding.sampling import Sampling
@@ -165,14 +166,16 @@ def compile_models(cfg: DictConfig, pair: Pair, prompts: list[list[int]], kept: 
 
 def batch_models(cfg: DictConfig, pair: Pair, prompts: list[list[int]], methods: list) -> dict[str, CompiledLM]:
     """``batch_size`` > 1: the target's forwards over a static cache of ``batch_size`` rows, one length per row (a
-    ``DynamicCache`` cannot hold rows of different lengths), and each draft's too when a method batches its drafting
-    (``DraftVerify.batched_drafting``); compiled per bucket with ``compile`` (warmed before any clock), else the same
-    code run eagerly; each checked against the eager model row by row either way. A method that does not batch its
-    drafting drafts eagerly, one cache per row (docs/batching.md). ``{role: batch forwards}``."""
+    ``DynamicCache`` cannot hold rows of different lengths), and those of each draft model that a method batching its
+    drafting runs (``DraftVerify.batched_drafting``; its first ``drafts``); compiled per bucket with ``compile``
+    (warmed before any clock), else the same code run eagerly; each checked against the eager model row by row
+    either way. A method that does not batch its drafting drafts eagerly, one cache per row (docs/batching.md).
+    ``{role: batch forwards}``."""
     longest = max((len(p) for p in prompts), default=0) + max(int(cfg.max_new_tokens), 16)
-    batched_drafts = any(getattr(m, "batched_drafting", False) for m in methods)
+    # The draft models a method that batches its drafting runs (Method.drafts: its first n); the others need no cache.
+    batched_drafts = max((m.drafts for m in methods if getattr(m, "batched_drafting", False)), default=0)
     models = {}
-    for lm in (pair.target, *(pair.drafts if batched_drafts else [])):
+    for lm in (pair.target, *pair.drafts[:batched_drafts]):
         graphs = CompiledLM(lm.module, longest, tuple(cfg.compile_buckets), role=lm.role,
                             rows=int(cfg.batch_size), compiled=bool(cfg.compile))
         log.info("the %s's batch forwards: %d rows%s", lm.role, graphs.cache.rows,
@@ -194,6 +197,20 @@ def uncompile(pair: Pair, keep: bool) -> None:
         lm.compiled = None
     if not keep:
         kept.release(graphs)
+
+
+def check_context(pair: Pair, prompts: list, encoded: list[list[int]], max_new: int) -> None:
+    """One sentence when a prompt and the token budget do not fit the target's context (its config's
+    ``max_position_embeddings`` or ``n_positions``; a model that names none is not checked)."""
+    config = pair.target.module.config
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not limit or not encoded:
+        return
+    longest = max(range(len(encoded)), key=lambda i: len(encoded[i]))
+    if len(encoded[longest]) + max_new > limit:
+        raise BenchError(f"prompt {prompts[longest].prompt_id} is {len(encoded[longest])} tokens; with "
+                         f"max_new_tokens={max_new} it passes the target's context of {limit} positions (a shorter "
+                         "dataset.input_tokens or budget fits).")
 
 
 def method_cfgs(cfg: DictConfig) -> dict[str, DictConfig]:
@@ -282,6 +299,7 @@ def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float, samp
         # name~<hash> when its settings were overridden; None: nothing trained.
         "recipe": pair.teacher.recipe.label if type(method).trains(pair.spec, method.cfg) else None,
         "prompt_ids": prompt_ids,
+        "input_tokens": len(prompt_ids),  # the prompt's length, as fed (the input-length axis)
         "output_ids": decoded.output_ids,
         "output_text": text,
         "reference": prompt.reference,
@@ -378,6 +396,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
         methods_ = build_methods(cfg, mcfgs, pair)
         sampling = Sampling(float(cfg.temperature), float(cfg.top_p))
         encoded = [encode(p, pair.tokenizer, cfg.dataset.get("template")) for _, p in todo]
+        check_context(pair, [p for _, p in todo], encoded, int(cfg.max_new_tokens))
         tensors = [torch.tensor([ids], device=pair.device) for ids in encoded]
         prov = provenance(cfg, pair.device)
         prov["cost_ratio_c"] = cost_ratio(pair, tensors[0])

@@ -56,8 +56,9 @@ class ModelLevel:
         self.lm, self.name, self.cache = lm, lm.role, cache
         self.toks: list[int] = []
 
-    def score(self, ctx: list[int], proposal: list[int], device) -> torch.Tensor:
+    def score(self, ctx: list[int], proposal: list[int], device):
         """Next-token logits after ``ctx`` and after each proposed token: ``FloatTensor (len(proposal) + 1, vocab)``.
+        A generator of the one draft forward (a batch runs every row's as one, ``DraftVerify.steps``).
 
         Only what the cache lacks is fed: the cache is first cropped to its common prefix with ``ctx`` (what
         an earlier review rejected goes), keeping at least the last context token to score from.
@@ -71,7 +72,9 @@ class ModelLevel:
         truncate_cache(self.cache, keep)
         feed = ctx[keep:] + proposal
         rows = len(proposal) + 1
-        logits = self.lm(torch.tensor([feed], device=device), self.cache, logits_to_keep=rows).logits[0, -rows:]
+        out = yield {"lm": self.lm, "cache": self.cache, "input_ids": torch.tensor([feed], device=device),
+                     "logits_to_keep": rows}
+        logits = out.logits[0, -rows:]
         self.toks = ctx + proposal
         return logits
 
@@ -113,6 +116,7 @@ def q_matrix(tokens: torch.Tensor, q_rows: list, vocab: int) -> torch.Tensor | N
 class Cascade(DraftVerify):
     lossless = True
     drafts = 2  # at most: a pair with one draft gives a three-level cascade
+    batched_drafting = True  # each model level's forwards are yielded: a batch runs every row's as one
 
     class Config(MethodSettings):
         k_matrix: list[list[NonNegativeInt]] | None = Field(
@@ -169,28 +173,29 @@ class Cascade(DraftVerify):
         """The proposal level ``i`` reviews after ``ctx``: at most ``limit`` tokens, ``k[i][0]`` from level
         i+1, then ``k[i][1]`` from level i+2, ... Returns ``(tokens, q_rows, sources)``: ``q_rows`` holds one
         ``FloatTensor (vocab,)`` per token when sampling (``None`` for a deterministic statistical token),
-        ``sources`` the level each token came from."""
+        ``sources`` the level each token came from. A generator of the model levels' forwards."""
         tokens, q_rows, sources = [], [], []
         for j, count in enumerate(self.k[i], start=i + 1):
             count = min(count, limit - len(tokens))
             if count <= 0:
                 continue
-            new, q = self.generate(state, j, ctx + tokens, count)
+            new, q = yield from self.generate(state, j, ctx + tokens, count)
             tokens += new
             q_rows += q
             sources += [j] * len(new)
         return tokens, q_rows, sources
 
     def generate(self, state: State, j: int, ctx: list[int], n: int):
-        """``n`` tokens from level ``j`` after ``ctx`` (speculative decoding at model levels) and their q rows."""
+        """``n`` tokens from level ``j`` after ``ctx`` (speculative decoding at model levels) and their q rows. A
+        generator of the model levels' forwards."""
         level = state.levels[j]
         if isinstance(level, StatLevel):
             return level.draft(ctx, n), [None] * n
         gen, q_rows = [], []
         while len(gen) < n:
             # A review yields up to len(proposal) + 1 tokens: propose one fewer than still needed.
-            prop, pq, src = self.propose_for(state, j, ctx + gen, n - len(gen) - 1)
-            logits = level.score(ctx + gen, prop, state.device)
+            prop, pq, src = yield from self.propose_for(state, j, ctx + gen, n - len(gen) - 1)
+            logits = yield from level.score(ctx + gen, prop, state.device)
             acc, nxt = self.review(state, logits, prop, pq)
             self.tally(state, j, src, acc)
             gen += prop[:acc] + [nxt]
@@ -231,7 +236,7 @@ class Cascade(DraftVerify):
 
     def propose(self, state: State) -> Proposal:
         state.index.extend(state.seq[len(state.index):])
-        tokens, q_rows, state.sources = self.propose_for(state, 0, state.seq, state.draft_budget)
+        tokens, q_rows, state.sources = yield from self.propose_for(state, 0, state.seq, state.draft_budget)
         q = None if state.sampling.greedy else q_matrix(torch.tensor(tokens, dtype=torch.long, device=state.device),
                                                       q_rows, self.pair.target.module.config.vocab_size)
         return Proposal.chain(state.seq[-1], tokens, q)

@@ -100,7 +100,9 @@ class Sprinter(DraftVerify):
                 return tokens, q, "max_run" if limit == self.cfg.max_run else "budget"
             if tokens[-1] in self.eos_ids:
                 return tokens, q, "eos"  # an end of answer is always checked, never waved through
-            score = torch.sigmoid(self.verifier(features(hidden, logits, use_probs).unsqueeze(0)))[0]
+            # The verifier's call (in a batch, one for every row that asks it now).
+            scored = yield {"lm": self.verifier, "args": (features(hidden, logits, use_probs).unsqueeze(0),)}
+            score = torch.sigmoid(scored)[0]
             if float(score) <= threshold:  # the paper flags below the threshold; <= makes 1.0 flag all
                 return tokens, q, "flagged"
             x = tok.view(1, 1)

@@ -122,7 +122,7 @@ BATCHED_DRAFTING = [m for m in known_methods() if getattr(get_method(m), "batche
 
 
 def test_the_methods_that_batch_their_drafting():
-    assert BATCHED_DRAFTING == ["gsd", "sd", "spechub", "sprinter", "swift"]  # docs/batching.md lists them
+    assert BATCHED_DRAFTING == ["cascade", "gsd", "sd", "spechub", "sprinter", "swift"]  # docs/batching.md lists them
 
 
 @pytest.mark.parametrize("name,settings", [("sd", {"gamma": 4}), ("sd", {"gamma": 3, "confidence": 0.5}),
