@@ -238,13 +238,12 @@ class CompiledLM:
         max_len)`` marks (the new rows are written at slots ``length .. length + Q - 1`` first); where ``swapped (rows,
         Q)`` is set the token's embedding is ``fill (rows, Q, hidden)`` instead."""
         self.cache.attend = visible.shape[-1]  # the slots the cache's layers hand attention (CompiledLM.attended)
-        lengths = self.cache.lengths_t if self.cache.window is None else self.cache.lengths_t[self.cache.window]
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=ids.device)
         mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]  # (rows, 1, Q, L), additive
         embeds = self.embed(ids)
         embeds = torch.where(swapped[..., None], fill.to(embeds.dtype), embeds)
         return lm_forward(self.decoder, None, self.cache, inputs_embeds=embeds,
-                          position_ids=lengths[:, None] + depth, attention_mask=mask).last_hidden_state
+                          position_ids=self.cache.forward_lengths[:, None] + depth, attention_mask=mask).last_hidden_state
 
     def _scored(self, ids: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor, swapped: torch.Tensor,
                 fill: torch.Tensor) -> tuple:

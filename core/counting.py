@@ -53,6 +53,12 @@ class Counted:
         return {"calls": self.calls, "tokens": self.tokens, "flops": self.flops, "padded_tokens": self.padded_tokens,
                 "padded_flops": self.padded_flops, "uncompiled_calls": self.uncompiled_calls}
 
+    def counted_by(self, count, *args) -> dict:
+        """What ``count(*args)`` adds to :meth:`stats`, key by key (one row's share of a batch's forward)."""
+        before = self.stats()
+        count(*args)
+        return {k: v - before[k] for k, v in self.stats().items()}
+
     def _count(self, batch: int, new_tokens: int, kv_len: int, *, head_rows: int | None = None,
                flops: float | None = None, extra_flops: float = 0.0) -> None:
         """One call over ``batch`` sequences of ``new_tokens`` query positions each, attending to ``kv_len``
@@ -131,12 +137,7 @@ class CountedLM(Counted):
         shares: list[dict | None] = []
         idle = dict.fromkeys(self.stats(), 0)
         for b, (row, ran) in enumerate(zip(rows, self.compiled.ran)):
-            before = self.stats()
-            if row is not None:
-                n = row["input_ids"].shape[1]
-                self._count(1, n, lengths[b] + n, head_rows=kept[b])
-            self._count_row_padding(ran, kept[b])
-            delta = {k: v - before[k] for k, v in self.stats().items()}
+            delta = self.counted_by(self._count_row, row, lengths[b], ran, kept[b])
             if row is None:
                 idle = {k: idle[k] + delta[k] for k in idle}
             shares.append(delta if row is not None else None)
@@ -145,6 +146,13 @@ class CountedLM(Counted):
             for k in ("padded_tokens", "padded_flops"):
                 share[k] += idle[k] / len(active)
         return outs, shares
+
+    def _count_row(self, row: dict | None, past: int, ran: tuple, kept: int | None) -> None:
+        """Row ``row``'s forward in a batch (None: an idle row, padding only) after ``past`` cached positions."""
+        if row is not None:
+            n = row["input_ids"].shape[1]
+            self._count(1, n, past + n, head_rows=kept)
+        self._count_row_padding(ran, kept)
 
     def _count_padding(self, kept: int | None) -> None:
         """What the compiled call just made ran beyond its real rows (``kept``: the real rows whose logits were kept,
@@ -209,9 +217,7 @@ class CountedModule(Counted):
             if row is None:
                 shares.append(None)
                 continue
-            before = self.stats()
-            self.count(*row["args"])
-            shares.append({k: v - before[k] for k, v in self.stats().items()})
+            shares.append(self.counted_by(self.count, *row["args"]))
             groups.setdefault(tuple((a.shape[1:], a.dtype) for a in row["args"]), []).append(b)
         outs: list = [None] * len(rows)
         for members in groups.values():

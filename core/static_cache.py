@@ -50,8 +50,7 @@ class RowLayer(CacheLayerMixin):
         device = key_states.device
         window = self.owner.window  # None: every row; a slice of one row for a forward of that row alone
         keys, values = (self.keys, self.values) if window is None else (self.keys[window], self.values[window])
-        lengths = self.owner.lengths_t if window is None else self.owner.lengths_t[window]
-        slots = lengths[:, None, None] + torch.arange(q, device=device)  # (rows, 1, q)
+        slots = self.owner.forward_lengths[:, None, None] + torch.arange(q, device=device)  # (rows, 1, q)
         # index_put_, not scatter_: inductor writes it in place, where a scatter_ into the cache (a graph input) became
         # copies of the whole cache, every layer, every forward.
         where = (torch.arange(rows, device=device)[:, None, None], torch.arange(heads, device=device)[None, :, None], slots)
@@ -103,6 +102,11 @@ class RowCache(Cache):
     @property
     def rows(self) -> int:
         return len(self.lengths)
+
+    @property
+    def forward_lengths(self) -> torch.Tensor:
+        """``lengths_t`` of the rows the forward running now reads: all, or its :attr:`window`'s."""
+        return self.lengths_t if self.window is None else self.lengths_t[self.window]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The one row's length (a cache of several rows is read row by row)."""

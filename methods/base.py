@@ -474,15 +474,10 @@ class DraftVerify(Method):
         row, None where none."""
         calls = [{k: v for k, v in r.items() if k not in ("lm", "cache")} if r is not None else None for r in requests]
         caches = [r.get("cache") if r is not None else None for r in requests]
-        if any(c is not None and "args" in c for c in calls):  # a small module's calls (heads): stacked
-            outs, shares = lm.forward_rows(calls)
-            for b, share in enumerate(shares):
-                if share is not None:
-                    _add_counts(ledgers[b], {lm.role: share})
-            return outs
-        if lm is self.pair.target or any(isinstance(c, RowView) for c in caches):
-            if any(c is not None and not (isinstance(c, RowView) and c.owner is lm.compiled.cache and c.b == b)
-                   for b, c in enumerate(caches)):
+        stacked = any(c is not None and "args" in c for c in calls)  # a small module's calls (heads): no cache
+        if stacked or lm is self.pair.target or any(isinstance(c, RowView) for c in caches):
+            if not stacked and any(c is not None and not (isinstance(c, RowView) and c.owner is lm.compiled.cache
+                                                          and c.b == b) for b, c in enumerate(caches)):
                 raise ValueError(f"a batch forward of the {lm.role} reads each row's own row of its batch cache")
             outs, shares = lm.forward_rows(calls)
             for b, share in enumerate(shares):
