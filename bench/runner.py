@@ -167,7 +167,8 @@ def compile_models(cfg: DictConfig, pair: Pair, prompts: list[list[int]], kept: 
 def batch_models(cfg: DictConfig, pair: Pair, prompts: list[list[int]], methods: list) -> dict[str, CompiledLM]:
     """``batch_size`` > 1: the target's forwards over a static cache of ``batch_size`` rows, one length per row (a
     ``DynamicCache`` cannot hold rows of different lengths), and those of each draft model that a method batching its
-    drafting runs (``DraftVerify.batched_drafting``; its first ``drafts``); compiled per bucket with ``compile``
+    drafting runs (``DraftVerify.batched_drafting``; its first ``drafts``) and the methods' own models whose forwards
+    they yield (``Method.batch_parts``: EAGLE's draft layer); compiled per bucket with ``compile``
     (warmed before any clock), else the same code run eagerly; each checked against the eager model row by row
     either way. A method that does not batch its drafting drafts eagerly, one cache per row (docs/batching.md).
     ``{role: batch forwards}``."""
@@ -175,7 +176,7 @@ def batch_models(cfg: DictConfig, pair: Pair, prompts: list[list[int]], methods:
     # The draft models a method that batches its drafting runs (Method.drafts: its first n); the others need no cache.
     batched_drafts = max((m.drafts for m in methods if getattr(m, "batched_drafting", False)), default=0)
     models = {}
-    for lm in (pair.target, *pair.drafts[:batched_drafts]):
+    for lm in (pair.target, *pair.drafts[:batched_drafts], *(part for m in methods for part in m.batch_parts())):
         graphs = CompiledLM(lm.module, longest, tuple(cfg.compile_buckets), role=lm.role,
                             rows=int(cfg.batch_size), compiled=bool(cfg.compile))
         log.info("the %s's batch forwards: %d rows%s", lm.role, graphs.cache.rows,
@@ -190,8 +191,9 @@ def uncompile(pair: Pair, keep: bool) -> None:
     """When the run ends: its models stop decoding through the compiled forwards. ``keep``: the run completed and its
     models and compiled forwards stay in :mod:`bench.kept` for the next compiled run of this process; else they are
     let go (their graphs hold frozen copies of the weights, or a CUDA-graph pool)."""
-    graphs = any(lm.compiled is not None and lm.compiled.compiles for lm in (pair.target, *pair.drafts))
-    for lm in (pair.target, *pair.drafts):
+    models = [lm for lm in pair.roles.values() if getattr(lm, "compiled", None) is not None]  # a method's parts too
+    graphs = any(lm.compiled.compiles for lm in models)
+    for lm in models:
         if lm.compiled is not None:
             lm.compiled.release()
         lm.compiled = None

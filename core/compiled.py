@@ -1,7 +1,7 @@
 """A causal LM's forwards compiled for a few fixed shapes (``compile=true``): issue 40, docs/design/static-verification.md.
 
-The target's, and each draft model's a method decodes with (``sd``, ``cascade``, ``spechub``, ``gsd``, ``sprinter``):
-one :class:`CompiledLM` per model.
+The target's, and each draft model's a method decodes with (``sd``, ``cascade``, ``spechub``, ``gsd``, ``sprinter``;
+in a batch also EAGLE's draft layer): one :class:`CompiledLM` per model.
 
 Why: what a speculative method gains depends on what a k-token verification forward costs against a one-token step,
 and an eager forward's cost is set by its kernels' quirks (BLAS blocking on the CPU, kernel launches on a GPU), not by
@@ -179,8 +179,9 @@ class RowForward:
 class CompiledLM:
     """A causal LM's forwards over one :class:`RowCache`, compiled per bucket of query rows.
 
-    ``module``: a transformers causal LM (or the harness's distilled draft) whose logits are :func:`logits_head` applied
-    to its decoder's last hidden state (checked by :meth:`check`); ``max_len``: the longest sequence a decode holds
+    ``module``: a transformers causal LM (or the harness's distilled draft, or EAGLE's draft layer, whose inputs come in
+    as swapped embeddings) whose logits are :func:`logits_head` applied to its decoder's last hidden state (checked by
+    :meth:`check`); ``max_len``: the longest sequence a decode holds
     (prompt plus budget); ``role``: the model's role in the pair (``target``, ``draft``...), for the sentences;
     ``rows``: the sequences its cache holds (1: :meth:`__call__` reads one; more: a batch, :meth:`forward_rows`
     reads them all in one forward, issue 41); ``compiled``: False runs the same code uncompiled, always (a batch's
@@ -532,23 +533,39 @@ class CompiledLM:
         are not its output head on its last hidden state, and a compiler that miscompiles. A cache of several rows
         reads a sequence per row, row b's context ``b`` tokens longer (rows of different lengths in one forward).
         After :meth:`warm` (it runs under :func:`no_recompiles`, where even a first compile is an error)."""
-        vocab = self.module.get_input_embeddings().num_embeddings
-        rows = self.cache.rows
-        ids = (torch.arange(context + rows + new, device=self.device) * 7 + vocab // 3).remainder(vocab).unsqueeze(0)
+        rows, length = self.cache.rows, context + self.cache.rows + new
+        # A module fed vectors, never token ids (EAGLE's draft: its one-row token table would make every input the
+        # same, and the context invisible): fixed random vectors, swapped in for every row of its compiled forwards.
+        fed = getattr(self.module, "fed_logits", None)
+        if fed is None:
+            vocab = self.embed.num_embeddings
+            ids = (torch.arange(length, device=self.device) * 7 + vocab // 3).remainder(vocab).unsqueeze(0)
+        else:
+            ids = torch.arange(length, device=self.device).unsqueeze(0)  # which vector each position reads
+            vectors = torch.randn(length, self.embed.embedding_dim, generator=torch.Generator().manual_seed(0))
+            vectors = vectors.to(self.device, self.dtype)
         seqs = [ids[:, :context + b + new] for b in range(rows)]
+
+        def request(s: torch.Tensor) -> dict:
+            if fed is None:
+                return {"input_ids": s}
+            return {"input_ids": torch.zeros_like(s), "swap": (torch.ones(s.shape[1], dtype=torch.bool), vectors[s[0]])}
+
+        def eager(s: torch.Tensor) -> torch.Tensor:  # (n, vocab): the eager model's logits for s read whole, no cache
+            return (lm_forward(self.module, s).logits if fed is None else fed(vectors[s[0]][None]))[0].float()
+
         with torch.inference_mode(), no_recompiles():
             self.new_cache(f"the compiled {self.role}'s check")
             try:
                 got = [[] for _ in range(rows)]
                 for part in (lambda s: s[:, :-new], lambda s: s[:, -new:], lambda s: s[:, :1]):  # a step after them
-                    for b, out in enumerate(self.forward_rows([{"input_ids": part(s)} for s in seqs])):
+                    for b, out in enumerate(self.forward_rows([request(part(s)) for s in seqs])):
                         got[b].append(out.logits[0].float())
             finally:
                 self.release()
             for b, s in enumerate(seqs):
-                whole = lm_forward(self.module, s).logits[0].float()
-                alone = lm_forward(self.module, s[:, -new:]).logits[0].float()
-                ref_step = lm_forward(self.module, torch.cat([s, s[:, :1]], 1)).logits[0, -1:].float()
+                whole, alone = eager(s), eager(s[:, -new:])
+                ref_step = eager(torch.cat([s, s[:, :1]], 1))[-1:]
                 self._compare(torch.cat(got[b]), torch.cat([whole, ref_step]), alone, whole[-new:], b)
 
     def _compare(self, got: torch.Tensor, ref: torch.Tensor, alone: torch.Tensor, after: torch.Tensor, b: int) -> None:

@@ -120,6 +120,12 @@ class Method:
     def setup(self, train_if_missing: bool = True) -> None:
         """Load (or build, when missing) what the method needs beyond the pair: heads, verifier, tables."""
 
+    def batch_parts(self) -> list:
+        """Models of the method's own (``CountedLM``s, after :meth:`setup`) whose forwards it yields, so that a batch
+        runs them on a batch cache of their own like a draft model's (EAGLE's draft layer); the run builds one for each
+        (``bench.runner.batch_models``)."""
+        return []
+
     @classmethod
     def trains(cls, pair_spec, settings=None) -> bool:
         """Whether the method runs anything trained under the run's recipe on a pair of ``pair_spec``: its records
@@ -438,7 +444,7 @@ class DraftVerify(Method):
             raise BenchError(f"a batch of {len(prompts)} prompts decodes on the target's static cache of at least as "
                              f"many rows (it has {rows})")
         with ExitStack() as stack:
-            for lm in (target, *self.pair.drafts):  # the batch caches this batch holds
+            for lm in (target, *self.pair.drafts, *self.batch_parts()):  # the batch caches this batch holds
                 if lm.compiled is not None and lm.compiled.cache.rows == rows:
                     stack.callback(lm.release_cache, lm.new_cache(self.name))
             states = [self.State(self, ids, max_new_tokens, sampling, gen, told, row=b, batch_size=rows)

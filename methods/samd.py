@@ -87,6 +87,7 @@ class SAMD(DraftVerify):
         self.hidden = self.cfg.aux == "eagle"  # EAGLE's draft reads the target's features
         self.pld = PLD(self.cfg.pld, pair) if self.cfg.aux == "pld" else None
         self.eagle = Eagle(self.cfg.eagle, pair) if self.cfg.aux == "eagle" else None
+        self.batched_drafting = self.eagle is not None  # EAGLE's draft forwards are yielded: a batch runs them as one
         self.corpus_sam: SuffixAutomaton | None = None
 
     @classmethod
@@ -103,6 +104,9 @@ class SAMD(DraftVerify):
             self.eagle.setup(train_if_missing)
         if self.cfg.corpus is not None:
             self.corpus_sam = corpus_automaton(self.pair.tokenizer, self.cfg.corpus)
+
+    def batch_parts(self) -> list:
+        return self.eagle.batch_parts() if self.eagle is not None else []
 
     # ------------------------------------------------------------------------------------------- the loop
 
@@ -130,7 +134,8 @@ class SAMD(DraftVerify):
             state.corpus_cursor = self.corpus_sam.match(state.seq[state.corpus_read:-1], *state.corpus_cursor)
             state.corpus_read = len(state.seq) - 1
 
-    def propose(self, state: State) -> Proposal:
+    def propose(self, state: State):
+        """A generator of EAGLE's draft forwards when it drafts (``aux: eagle``), returning the proposal."""
         pending, k = state.seq[-1], min(self.cfg.n_predicts - 1, state.draft_budget)
         if k <= 0:
             return self.chosen(state, "none", Proposal(Tree(pending)))
@@ -150,8 +155,9 @@ class SAMD(DraftVerify):
                 node = state.sam.earlier(node, k + 1)  # a shorter suffix may have more text after it
                 return self.chosen(state, "automaton", Proposal.chain(pending, state.sam.continuation(node, k)))
             return self.chosen(state, "corpus", Proposal.chain(pending, self.corpus_sam.continuation(cnode, k)))
-        aux = self.pld if self.pld is not None else self.eagle
-        return self.chosen(state, self.cfg.aux, aux.propose(state))
+        if self.eagle is not None:
+            return self.chosen(state, "eagle", (yield from self.eagle.propose(state)))
+        return self.chosen(state, "pld", self.pld.propose(state))
 
     def chosen(self, state: State, source: str, proposal: Proposal) -> Proposal:
         state.source = source if proposal.depth else "none"  # an empty draft is a plain step, whoever looked

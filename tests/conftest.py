@@ -12,6 +12,19 @@ SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 torch.set_grad_enabled(True)
 
+# Under pytest-xdist (CI runs `-n auto`) the workers share the cores: each gets its part of torch's threads, so that
+# two workers' OpenMP pools do not spin against each other on 2 cores.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``--dist loadgroup`` the tests on the real pair run on one worker: its draft is distilled once (the
+    session fixture ``real_pair``, minutes on 2 cores), not once per worker."""
+    for item in items:
+        if "real_pair" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("real_pair"))
+
 
 class _Deprecations(logging.Handler):
     """Collects what a library logs about deprecated use (transformers says some of it through its logger, once

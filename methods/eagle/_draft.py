@@ -33,7 +33,7 @@ from pydantic import Field
 from torch import nn
 
 from core.artifacts import Artifact, jsonable
-from core.counting import Counted
+from core.counting import CountedLM
 from core.kv_cache import lm_forward
 from core.model_parts import body_config, copy_last_layers
 from training.adversarial import Adversary, AdversaryRecipe
@@ -114,6 +114,24 @@ class EagleDraft(nn.Module):
         draft.head.weight.data.copy_(target.get_output_embeddings().weight.data[vocab_map.to(target.device)].cpu())
         return draft
 
+    # What core.compiled.CompiledLM reads of a causal LM, so that a batch runs the draft's forwards on a batch cache:
+    # the decoder (the body), its output head, and token embeddings, which every real row of its forwards replaces by
+    # ``fc``'s fused input (``swap``); the body's own embedding table is read only by padding rows and by the check.
+
+    def get_decoder(self) -> nn.Module:
+        return self.body
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.body.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.head
+
+    def fed_logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        """``(1, n, V')``: the body read over ``inputs (1, n, H)`` (what ``fc`` would give) without a cache, then the
+        head: what its compiled forwards must give for the same inputs (``CompiledLM.check``)."""
+        return self.head(lm_forward(self.body, None, inputs_embeds=inputs).last_hidden_state)
+
     def forward(self, feats: torch.Tensor, emb: torch.Tensor, cache=None, **kwargs) -> torch.Tensor:
         """``feats (B, n, H)`` the features at n positions and ``emb (B, n, H)`` the embeddings of the tokens after
         them -> ``(B, n, H)`` the guessed features one position later. ``cache``: the layer's KV cache of the
@@ -124,14 +142,21 @@ class EagleDraft(nn.Module):
         return out.last_hidden_state
 
 
-class CountedEagle(Counted):
+class CountedEagle(CountedLM):
     """The ``eagle`` role: ``draft(feats (1, n, H), emb (1, n, H), cache, rows, **kw)`` returns the guessed
     features ``(1, n, H)`` and the head's logits ``(1, rows, V')`` of the last ``rows`` positions (a catch-up
-    over the committed positions needs only the last), counted as such (FLOPs by :mod:`core.flops`)."""
+    over the committed positions needs only the last), counted as such (FLOPs by :mod:`core.flops`: ``fc``, the
+    body, the head). In a batch its forwards run as a causal LM's on its batch cache (:meth:`CountedLM.forward_rows`,
+    each row's input ``fc``'s fused features in place of token embeddings: :meth:`fused`)."""
 
     def __init__(self, draft: EagleDraft):
-        super().__init__(draft, "eagle", draft.config)
+        super().__init__(draft, "eagle")
         self.head_weights = draft.head.weight.numel()
+
+    def fused(self, feats: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """``fc``'s input for the body, ``(n, H)``, from ``feats`` and ``emb`` ``(n, H)`` each (counted with the
+        forward that reads it: ``fc`` is in the role's FLOP formula)."""
+        return self.module.fc(torch.cat([feats, emb], dim=-1))
 
     def __call__(self, feats, emb, cache, rows: int, **kwargs):
         n = feats.shape[1]

@@ -29,6 +29,7 @@ from pydantic import Field, NonNegativeInt, model_validator
 from transformers import DynamicCache
 
 from core.errors import BenchError
+from core.static_cache import RowView
 from decoding.cache import truncate_cache
 from decoding.sampling import draft_token
 from decoding.tree import Tree, additive_mask
@@ -86,6 +87,7 @@ class EagleSettings(MethodSettings):
 class Eagle(DraftVerify):
     lossless = True
     hidden = True  # the draft reads the target's features
+    batched_drafting = True  # its draft layer's forwards are yielded (draft_forward): one per step for a batch
     Config = EagleSettings
 
     def __init__(self, cfg, pair):
@@ -118,12 +120,16 @@ class Eagle(DraftVerify):
         self.embed = own if own is not None else target.get_input_embeddings()
         self.vocab_map = self.draft.module.vocab_map
 
+    def batch_parts(self) -> list:
+        return [self.draft]
+
     # ------------------------------------------------------------------------------------------- the loop
 
     class State(PromptState):
         """One prompt's drafting: the draft layer's KV cache, the target's features it has yet to read, tree sizes."""
 
-        dcache: DynamicCache  # the draft layer's: the committed positions it has read, then this step's guesses
+        dcache: DynamicCache | RowView  # the draft layer's (in a batch, its row of the batch cache): the committed
+        # positions it has read, then this step's guesses
         todo: torch.Tensor  # (n, H) the target's features the draft has not read yet
         read: int  # the committed positions whose true features the draft's cache holds
         nodes: list[int]  # tokens the target scored per step, the pending one included
@@ -131,34 +137,47 @@ class Eagle(DraftVerify):
     def start(self, state: State) -> None:
         # setup() loads the trained part before the timed decode; never lazily inside it.
         assert self.draft is not None, "call setup() before decode()"
-        state.dcache = DynamicCache()
+        # In a batch, its row of the draft's batch cache (EAGLE-3's draft, not batched, keeps a cache per row).
+        state.dcache = state.own_cache(self.draft) if self.batched_drafting else DynamicCache()
         state.todo = state.prompt_hidden
         state.read = 0
         state.nodes = []
 
-    def read_committed(self, state: State) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_forward(self, state: State, feats: torch.Tensor, emb: torch.Tensor, rows: int, **kwargs):
+        """The draft layer over ``feats`` and ``emb`` ``(n, H)`` on the prompt's draft cache (``kwargs``: a tree's
+        ``attention_mask`` and ``position_ids``): the guessed features ``(n, H)`` and the logits ``(rows, V')`` of the
+        last ``rows``. A generator of that forward: in a batch it is yielded as a causal LM's (its input ``fc``'s
+        fused features in place of token embeddings), and the rows' run as one."""
+        if isinstance(state.dcache, RowView):
+            fused = self.draft.fused(feats.to(self.pair.dtype), emb)
+            n = fused.shape[0]
+            out = yield {"lm": self.draft, "cache": state.dcache, "logits_to_keep": rows, "output_hidden_states": True,
+                         "input_ids": torch.zeros(1, n, dtype=torch.long, device=state.device),
+                         "swap": (torch.ones(n, dtype=torch.bool), fused), **kwargs}
+            return out.hidden_states[-1][0], out.logits[0]
+        out, logits = self.draft(feats[None].to(self.pair.dtype), emb[None], state.dcache, rows=rows, **kwargs)
+        return out[0], logits[0]
+
+    def read_committed(self, state: State):
         """Feed the draft the features it has not read (positions ``read .. len(seq) - 2``, each with the
         token after it), after dropping its guesses of the last step. Returns the guessed feature at the
-        pending token's position ``(H,)`` and the logits ``(V',)`` of the first draft token."""
+        pending token's position ``(H,)`` and the logits ``(V',)`` of the first draft token (a generator of its
+        forward, as :meth:`draft_forward`)."""
         read = len(state.seq) - 1 - len(state.todo)
         truncate_cache(state.dcache, read)
         tokens = torch.tensor(state.seq[read + 1 :], device=state.device)
-        out, logits = self.draft(state.todo[None].to(self.pair.dtype), self.embed(tokens)[None], state.dcache, rows=1)
+        out, logits = yield from self.draft_forward(state, state.todo, self.embed(tokens), rows=1)
         state.todo, state.read = state.todo[:0], len(state.seq) - 1  # the cache's true entries; guesses follow them
-        return out[0, -1], logits[0, -1]
+        return out[-1], logits[-1]
 
-    def propose(self, state: State) -> Proposal:
+    def propose(self, state: State):
         deepest = {"chain": self.cfg.gamma, "tree": self.cfg.depth, "static": self.static.max_depth}[self.cfg.draft]
         depth = min(deepest, state.draft_budget)
         if depth <= 0:
             return Proposal(Tree(state.seq[-1]))
-        feat, logits = self.read_committed(state)
-        if self.cfg.draft == "chain":
-            proposal = self.chain(state, feat, logits, depth)
-        elif self.cfg.draft == "static":
-            proposal = self.fill_static(state, feat, logits, depth)
-        else:
-            proposal = self.tree(state, feat, logits, depth)
+        feat, logits = yield from self.read_committed(state)
+        draft = {"chain": self.chain, "static": self.fill_static, "tree": self.tree}[self.cfg.draft]
+        proposal = yield from draft(state, feat, logits, depth)
         state.nodes.append(len(proposal.tree))
         return proposal
 
@@ -172,7 +191,7 @@ class Eagle(DraftVerify):
 
     # ------------------------------------------------------------------------------------------- drafting
 
-    def chain(self, state: State, feat: torch.Tensor, logits: torch.Tensor, k: int) -> Proposal:
+    def chain(self, state: State, feat: torch.Tensor, logits: torch.Tensor, k: int):
         """``k`` tokens, one draft forward each after the first: greedy, or sampled from the draft's
         distribution (``q`` then holds it over the full vocabulary, zero outside the draft's)."""
         tokens, qs = [], []
@@ -182,26 +201,27 @@ class Eagle(DraftVerify):
             tokens.append(token)
             qs += [q] if q is not None else []
             if i + 1 < k:  # the draft reads its own guess and its token: a plain causal step
-                out, logits = self.draft(feat[None, None], self.embed(tokens[-1])[None, None], state.dcache, rows=1)
-                feat, logits = out[0, -1], logits[0, -1]
+                out, logits = yield from self.draft_forward(state, feat[None], self.embed(tokens[-1])[None], rows=1)
+                feat, logits = out[-1], logits[-1]
         return Proposal.chain(state.seq[-1], torch.stack(tokens), torch.stack(qs) if qs else None)
 
-    def expand(self, state: State, tree: Tree, nodes: list[int], guessed: dict, fed: list[int]) -> torch.Tensor:
+    def expand(self, state: State, tree: Tree, nodes: list[int], guessed: dict, fed: list[int]):
         """One draft forward over tree ``nodes`` (each reads its parent's guessed feature and its own token, under
         a tree mask over the committed positions and the nodes ``fed`` before); records their guessed features
-        in ``guessed`` and appends them to ``fed``. Returns their next-token logits ``(len(nodes), V')``."""
+        in ``guessed`` and appends them to ``fed``. Returns their next-token logits ``(len(nodes), V')`` (a generator of
+        the forward, as :meth:`draft_forward`)."""
         read = state.read  # the committed positions in the draft cache; the root's input is the last of them
         mask = additive_mask(tree.ancestry()[nodes][:, fed + nodes], read, self.pair.dtype, state.device)
         positions = torch.tensor([[read - 1 + tree.depth[v] for v in nodes]], device=state.device)
-        feats = torch.stack([guessed[tree.parent[v]] for v in nodes])[None]
+        feats = torch.stack([guessed[tree.parent[v]] for v in nodes])
         tokens = torch.tensor([tree.tokens[v] for v in nodes], device=state.device)
-        out, logits = self.draft(feats, self.embed(tokens)[None], state.dcache, rows=len(nodes), attention_mask=mask,
-                                 position_ids=positions)
+        out, logits = yield from self.draft_forward(state, feats, self.embed(tokens), rows=len(nodes),
+                                                    attention_mask=mask, position_ids=positions)
         fed += nodes
-        guessed.update(zip(nodes, out[0]))
-        return logits[0]
+        guessed.update(zip(nodes, out))
+        return logits
 
-    def fill_static(self, state: State, feat: torch.Tensor, logits: torch.Tensor, depth: int) -> Proposal:
+    def fill_static(self, state: State, feat: torch.Tensor, logits: torch.Tensor, depth: int):
         """EAGLE-1's static tree (``static_tree``'s rank paths, ``depth`` deep at most) filled depth by depth, one
         draft forward per depth over the nodes that have children (node [r1 .. rd] holds the r_d-th best draft
         token after [r1 .. r_{d-1}])."""
@@ -212,7 +232,7 @@ class Eagle(DraftVerify):
             paths = [tuple(p) for p in self.static.paths if len(p) == d]
             parents = sorted({node_of[p[:-1]] for p in paths})
             if d > 1:
-                sub.update(zip(parents, self.expand(state, tree, parents, guessed, fed)))
+                sub.update(zip(parents, (yield from self.expand(state, tree, parents, guessed, fed))))
             width = max(p[-1] for p in paths) + 1
             top = {v: self.vocab_map[sub[v].topk(width).indices].tolist() for v in parents}
             for p in paths:
@@ -220,8 +240,9 @@ class Eagle(DraftVerify):
                 node_of[p] = tree.add_child(parent, top[parent][p[-1]], merge=False)
         return Proposal(tree)
 
-    def tree(self, state: State, feat: torch.Tensor, logits: torch.Tensor, depth: int) -> Proposal:
-        """EAGLE-2's expand-and-rerank, ``depth`` levels deep at most (see the module doc)."""
+    def tree(self, state: State, feat: torch.Tensor, logits: torch.Tensor, depth: int):
+        """EAGLE-2's expand-and-rerank, ``depth`` levels deep at most (see the module doc). :meth:`chain`,
+        :meth:`fill_static` and this are generators of the draft's forwards that return the proposal."""
         k = min(self.cfg.top_k, logits.shape[-1])
         tree = Tree(state.seq[-1])
         score = [0.0]  # cumulative draft log-probability of each node's path
@@ -230,7 +251,7 @@ class Eagle(DraftVerify):
         fed: list[int] = []  # tree nodes in the draft cache after the committed positions, in order
         for _ in range(depth - 1):
             expand = sorted(level, key=lambda v: -score[v])[:k]
-            sub_logits = self.expand(state, tree, expand, guessed, fed)
+            sub_logits = yield from self.expand(state, tree, expand, guessed, fed)
             level = self.grow(tree, score, expand, torch.log_softmax(sub_logits.float(), -1), k)
         # Rerank: the best total_tokens - 1 nodes by cumulative log-probability; ties go to the earlier node,
         # so a parent (never below its child) always comes first and the kept nodes form a tree.

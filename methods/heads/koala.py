@@ -87,6 +87,7 @@ class Koala(Method):
         self.base = BASES[self.cfg.base](getattr(self.cfg, self.cfg.base), pair)
         # What the base's messages and hints name (e.g. "python -m bench train method method=koala method.base=medusa").
         self.base.name = f"koala method.base={self.cfg.base}"
+        self.batched_drafting = self.base.batched_drafting  # EAGLE's draft forwards are yielded, Medusa's heads stacked
 
     @classmethod
     def has_trained_parts(cls, pair_spec, settings=None) -> bool:
@@ -103,6 +104,9 @@ class Koala(Method):
 
     def setup(self, train_if_missing: bool = True) -> None:
         self.base.setup(train_if_missing)
+
+    def batch_parts(self) -> list:
+        return self.base.batch_parts()
 
     def is_lossless(self, sampling) -> bool:
         return self.base.is_lossless(sampling)

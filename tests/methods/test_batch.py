@@ -122,11 +122,11 @@ BATCHED_DRAFTING = [m for m in known_methods() if getattr(get_method(m), "batche
 
 
 def test_the_methods_that_batch_their_drafting():
-    assert BATCHED_DRAFTING == ["cascade", "gsd", "sd", "spechub", "sprinter", "swift"]  # docs/batching.md lists them
+    assert BATCHED_DRAFTING == ["cascade", "eagle", "gsd", "sd", "spechub", "sprinter", "swift"]  # docs/batching.md lists them
 
 
 @pytest.mark.parametrize("name,settings", [("sd", {"gamma": 4}), ("sd", {"gamma": 3, "confidence": 0.5}),
-                                           *[(m, {}) for m in BATCHED_DRAFTING if m != "sd"]])
+                                           *[(m, {}) for m in BATCHED_DRAFTING if m not in ("sd", "eagle")]])  # eagle's: below
 def test_a_batch_drafts_every_row_in_one_draft_forward(good_pair, batch_graphs, draft_graphs, name, settings):
     """A method with batched drafting on the draft's batch cache: each drafting step of every row is ONE draft forward
     (padding the rows that drafted less, or finished: sd's fixed chains, chains that stop early per row, GSD's and
@@ -156,6 +156,32 @@ def test_a_batch_drafts_every_row_in_one_draft_forward(good_pair, batch_graphs, 
         longest = [max(out.drafted[t] for out in got if t < len(out.drafted)) for t in range(rounds)]
         assert len(forwards) == 1 + sum(longest)
     assert drafter.stats()["calls"] == sum(out.counts[drafter.role]["calls"] for out in got)
+
+
+@pytest.mark.parametrize("name,settings", [("eagle", {}), ("eagle", {"draft": "chain"}), ("eagle", {"draft": "static"}),
+                                           ("samd", {"aux": "eagle", "len_threshold": 99}), ("koala", {"base": "eagle"})])
+def test_a_batch_runs_every_rows_eagle_draft_in_one_forward(good_pair, batch_graphs, name, settings):
+    """EAGLE's draft layer on a batch cache of its own (``Method.batch_parts``; its input, fc's fused features, in place
+    of token embeddings): its catch-up, each tree level (under each row's tree mask) or chain step runs once for every
+    row, and each row decodes what it decodes alone, its draft's forwards counted to it."""
+    pair = batched(good_pair, batch_graphs)
+    method, alone = build(pair, name, **settings), build(good_pair, name, **settings)
+    [draft] = method.batch_parts()
+    draft.compiled = CompiledLM(draft.module, max_len=1024, buckets=(1, 4, 16), role="eagle", rows=BATCH,
+                                compiled=False)
+    draft.compiled.check()
+    rows = prompts(good_pair)
+    forwards = []
+    run_rows = draft.forward_rows
+    draft.forward_rows = lambda requests: forwards.append(sum(r is not None for r in requests)) or run_rows(requests)
+    with batch_graphs.eagerly():
+        got = decode_batch(method, rows, 16)
+    for ids, out in zip(rows, got):
+        ref = run(alone, ids, 16)
+        assert out.output_ids == ref.output_ids and out.accept_lengths == ref.accept_lengths
+    per_row = sum(out.counts["eagle"]["calls"] for out in got)
+    assert forwards[0] == BATCH and len(forwards) < per_row  # the rows' forwards share forwards
+    assert draft.stats()["calls"] == per_row
 
 
 @pytest.mark.parametrize("name", ["medusa", "hydra", "amphista"])

@@ -205,7 +205,8 @@ def test_cascade_k_matrix_must_fit_the_pair(compose_cfg):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["pld", "cascade", "hierarchy"])
+@pytest.mark.parametrize("name", ["pld", pytest.param("cascade", marks=pytest.mark.newest_only),
+                                  pytest.param("hierarchy", marks=pytest.mark.newest_only)])  # the oldest leg: pld's
 def test_equals_ar_greedy_on_default_pair(real_pair, name):
     ids = prompts_for(real_pair, 1)[0]
     ref = decode(real_pair, "ar", ids, max_new=32).output_ids

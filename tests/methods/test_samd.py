@@ -12,6 +12,7 @@ from tests.helpers import (
     assert_greedy_equal_to_ar,
     build,
     decode,
+    forwards_run,
     longest_earlier,
     method_cfg,
     prompts_for,
@@ -45,7 +46,7 @@ def test_who_drafts_follows_the_authors_rule(tiny_pair, aux):
 
     def spy(state):
         seq = list(state.seq)
-        proposal = real(method, state)
+        proposal = forwards_run(real(method, state))  # a generator (EAGLE's forwards, when it drafts)
         seen.append((seq, state.source, proposal.tree.tokens[1:], state.draft_budget))
         return proposal
 

@@ -40,10 +40,10 @@ def test_the_tree_forward_equals_a_plain_pass_along_each_path(tiny_pair, looping
     method = build(tiny_pair, "eagle", top_k=3, depth=4, total_tokens=7)
     seen, grow, tree = {}, Eagle.grow, Eagle.tree
 
-    def record_tree(self, state, feat, logits, depth):  # the first step's tree only
+    def record_tree(self, state, feat, logits, depth):  # the first step's tree only (a generator, as Eagle.tree)
         if not seen:
             seen.update(cache=copy.deepcopy(state.dcache), feat=feat.clone(), levels=[], active=True)
-        draft = tree(self, state, feat, logits, depth)
+        draft = yield from tree(self, state, feat, logits, depth)
         seen["active"] = False
         return draft
 
@@ -101,8 +101,8 @@ def test_the_dynamic_tree_expands_and_reranks_by_cumulative_probability(tiny_pai
         drafted[-1][2].append(list(parents))
         return grow(self, t, score, parents, logp, k)
 
-    def record_tree(self, state, feat, logits, depth):
-        proposal = tree(self, state, feat, logits, depth)
+    def record_tree(self, state, feat, logits, depth):  # a generator, as Eagle.tree
+        proposal = yield from tree(self, state, feat, logits, depth)
         kept.append(proposal.tree)
         return proposal
 
