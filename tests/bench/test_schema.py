@@ -20,17 +20,24 @@ pytestmark = pytest.mark.newest_only
 TINY = ["pair=tiny", "dataset.n_prompts=1", "max_new_tokens=2"]
 
 
-def leaves(node: Settings, prefix: str):
-    """``(dotted key, field declaration, value)`` of every leaf of a validated node."""
+def owned_leaves(node: Settings, prefix: str):
+    """``(dotted key, field declaration, value, declaring class)`` of every leaf of a validated node; the declaring
+    class is the one whose annotations hold the field (a training recipe's common fields: ``TrainRecipe``)."""
     for name, field in type(node).model_fields.items():
         value = getattr(node, name)
         if isinstance(value, Settings):
-            yield from leaves(value, f"{prefix}{name}.")
+            yield from owned_leaves(value, f"{prefix}{name}.")
         elif isinstance(value, list) and value and isinstance(value[0], Settings):
             for i, item in enumerate(value):
-                yield from leaves(item, f"{prefix}{name}.{i}.")
+                yield from owned_leaves(item, f"{prefix}{name}.{i}.")
         elif name not in ("name", "source"):  # a group option's own name / kind: chosen, not set
-            yield f"{prefix}{name}", field, value
+            declaring = next(c for c in type(node).__mro__ if name in getattr(c, "__annotations__", {}))
+            yield f"{prefix}{name}", field, value, declaring
+
+
+def leaves(node: Settings, prefix: str):
+    """``(dotted key, field declaration, value)`` of every leaf of a validated node."""
+    return ((key, field, value) for key, field, value, _ in owned_leaves(node, prefix))
 
 
 def base_type(field):
@@ -59,21 +66,6 @@ def bad_values(field) -> dict[str, str]:
     return out
 
 
-def owned_leaves(node: Settings, prefix: str):
-    """:func:`leaves` with the settings class declaring each (a training recipe's common fields: ``TrainRecipe``):
-    ``(dotted key, field, declaring class)``."""
-    for name, field in type(node).model_fields.items():
-        value = getattr(node, name)
-        if isinstance(value, Settings):
-            yield from owned_leaves(value, f"{prefix}{name}.")
-        elif isinstance(value, list) and value and isinstance(value[0], Settings):
-            for i, item in enumerate(value):
-                yield from owned_leaves(item, f"{prefix}{name}.{i}.")
-        elif name not in ("name", "source"):
-            declaring = next(c for c in type(node).__mro__ if name in getattr(c, "__annotations__", {}))
-            yield f"{prefix}{name}", field, declaring
-
-
 def cases():
     """Every (group args, key, why, value) the walk tries, for every registered method and the other nodes. A field
     a settings class declares that another method's walk already tried (``TrainRecipe``'s, EAGLE's settings nested in
@@ -83,7 +75,7 @@ def cases():
     for name in known_methods():
         node = get_method(name).check_settings({})
         nested: set[type] = set()  # classes this method reached the walk's tried fields through
-        for key, field, owner in owned_leaves(node, "method."):
+        for key, field, _, owner in owned_leaves(node, "method."):
             for why, value in bad_values(field).items():
                 seen = (owner, key.rsplit(".", 1)[-1], why) in tried
                 if seen and owner in nested:

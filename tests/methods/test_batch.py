@@ -61,6 +61,24 @@ def prompts(pair):
     return [ps[0], ps[-1][:40], ps[2]]
 
 
+def decode_counting_rows(method, alone, part, graphs, rows):
+    """``method``'s batch decode of ``rows`` (16 tokens, eager batch forwards), each row checked against ``alone``'s
+    decode of it by itself; returns the outputs and, per call of ``part.forward_rows`` (a batch forward of a draft, a
+    stacked heads call), the rows it ran."""
+    sizes = []
+    run_rows = part.forward_rows
+    part.forward_rows = lambda calls: sizes.append(sum(c is not None for c in calls)) or run_rows(calls)
+    try:
+        with graphs.eagerly():
+            got = decode_batch(method, rows, 16)
+    finally:
+        del part.forward_rows
+    for ids, out in zip(rows, got):
+        ref = run(alone, ids, 16)
+        assert out.output_ids == ref.output_ids and out.accept_lengths == ref.accept_lengths
+    return got, sizes
+
+
 @pytest.mark.parametrize("name", [m for m in known_methods() if get_method(m).lossless])
 def test_each_row_of_a_batch_decodes_what_it_decodes_alone(name, good_pair, batch_graphs):
     pair = batched(good_pair, batch_graphs)
@@ -135,18 +153,8 @@ def test_a_batch_drafts_every_row_in_one_draft_forward(good_pair, batch_graphs, 
     pair = batched(good_pair, batch_graphs, draft_graphs)
     method, alone = build(pair, name, **settings), build(good_pair, name, **settings)
     drafter = method.draft_lm if name == "swift" else pair.drafts[0]
-    rows = prompts(good_pair)
-    forwards = []
-    run_rows = drafter.forward_rows
-    drafter.forward_rows = lambda requests: forwards.append(sum(r is not None for r in requests)) or run_rows(requests)
-    try:
-        with batch_graphs.eagerly():
-            got = decode_batch(method, rows, 16)
-    finally:
-        del drafter.forward_rows
-    for ids, out in zip(rows, got):
-        ref = run(alone, ids, 16)
-        assert out.output_ids == ref.output_ids and out.accept_lengths == ref.accept_lengths
+    got, forwards = decode_counting_rows(method, alone, drafter, batch_graphs, prompts(good_pair))
+    for out in got:
         if name == "sd":  # its own draft forwards: the prompt's, then one per drafted token
             assert out.counts["draft"]["calls"] == 1 + sum(out.drafted)
     assert forwards[0] == BATCH  # every row's prompt (swift: its first drafted token) in one forward
@@ -170,15 +178,7 @@ def test_a_batch_runs_every_rows_eagle_draft_in_one_forward(good_pair, batch_gra
     draft.compiled = CompiledLM(draft.module, max_len=1024, buckets=(1, 4, 16), role="eagle", rows=BATCH,
                                 compiled=False)
     draft.compiled.check()
-    rows = prompts(good_pair)
-    forwards = []
-    run_rows = draft.forward_rows
-    draft.forward_rows = lambda requests: forwards.append(sum(r is not None for r in requests)) or run_rows(requests)
-    with batch_graphs.eagerly():
-        got = decode_batch(method, rows, 16)
-    for ids, out in zip(rows, got):
-        ref = run(alone, ids, 16)
-        assert out.output_ids == ref.output_ids and out.accept_lengths == ref.accept_lengths
+    got, forwards = decode_counting_rows(method, alone, draft, batch_graphs, prompts(good_pair))
     per_row = sum(out.counts["eagle"]["calls"] for out in got)
     assert forwards[0] == BATCH and len(forwards) < per_row  # the rows' forwards share forwards
     assert draft.stats()["calls"] == per_row
@@ -191,15 +191,7 @@ def test_a_batch_runs_every_rows_heads_in_one_call(good_pair, batch_graphs, name
     each row sum to what the heads counted."""
     pair = batched(good_pair, batch_graphs)
     method, alone = build(pair, name), build(good_pair, name)
-    rows = prompts(good_pair)
-    stacked = []
-    run_rows = method.heads.forward_rows
-    method.heads.forward_rows = lambda calls: stacked.append(sum(c is not None for c in calls)) or run_rows(calls)
-    with batch_graphs.eagerly():
-        got = decode_batch(method, rows, 16)
-    for ids, out in zip(rows, got):
-        ref = run(alone, ids, 16)
-        assert out.output_ids == ref.output_ids and out.accept_lengths == ref.accept_lengths
+    got, stacked = decode_counting_rows(method, alone, method.heads, batch_graphs, prompts(good_pair))
     per_row = sum(out.counts["heads"]["calls"] for out in got)
     assert stacked[0] == BATCH and len(stacked) < per_row  # the rows' calls share calls
     assert method.heads.stats()["calls"] == per_row
