@@ -132,13 +132,18 @@ class EagleDraft(nn.Module):
         head: what its compiled forwards must give for the same inputs (``CompiledLM.check``)."""
         return self.head(lm_forward(self.body, None, inputs_embeds=inputs).last_hidden_state)
 
+    def fused(self, feats: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """``fc``'s input for the body, ``(..., H)``, from ``feats`` and ``emb`` ``(..., H)`` each (in a batch it is
+        swapped in for the body's token embeddings; counted with the forward that reads it: ``fc`` is in the role's
+        FLOP formula)."""
+        return self.fc(torch.cat([feats, emb], dim=-1))
+
     def forward(self, feats: torch.Tensor, emb: torch.Tensor, cache=None, **kwargs) -> torch.Tensor:
         """``feats (B, n, H)`` the features at n positions and ``emb (B, n, H)`` the embeddings of the tokens after
         them -> ``(B, n, H)`` the guessed features one position later. ``cache``: the layer's KV cache of the
         earlier positions, extended in place (``None``: the whole sequence at once, as in training);
         ``kwargs``: ``attention_mask`` / ``position_ids`` (a draft tree)."""
-        x = self.fc(torch.cat([feats, emb], dim=-1))
-        out = lm_forward(self.body, None, cache, inputs_embeds=x, **kwargs)
+        out = lm_forward(self.body, None, cache, inputs_embeds=self.fused(feats, emb), **kwargs)
         return out.last_hidden_state
 
 
@@ -147,16 +152,10 @@ class CountedEagle(CountedLM):
     features ``(1, n, H)`` and the head's logits ``(1, rows, V')`` of the last ``rows`` positions (a catch-up
     over the committed positions needs only the last), counted as such (FLOPs by :mod:`core.flops`: ``fc``, the
     body, the head). In a batch its forwards run as a causal LM's on its batch cache (:meth:`CountedLM.forward_rows`,
-    each row's input ``fc``'s fused features in place of token embeddings: :meth:`fused`)."""
+    each row's input ``fc``'s fused features in place of token embeddings: :meth:`EagleDraft.fused`)."""
 
     def __init__(self, draft: EagleDraft):
-        super().__init__(draft, "eagle")
-        self.head_weights = draft.head.weight.numel()
-
-    def fused(self, feats: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        """``fc``'s input for the body, ``(n, H)``, from ``feats`` and ``emb`` ``(n, H)`` each (counted with the
-        forward that reads it: ``fc`` is in the role's FLOP formula)."""
-        return self.module.fc(torch.cat([feats, emb], dim=-1))
+        super().__init__(draft, "eagle")  # its head's weights: CountedLM reads them from get_output_embeddings
 
     def __call__(self, feats, emb, cache, rows: int, **kwargs):
         n = feats.shape[1]

@@ -149,7 +149,7 @@ class Eagle(DraftVerify):
         last ``rows``. A generator of that forward: in a batch it is yielded as a causal LM's (its input ``fc``'s
         fused features in place of token embeddings), and the rows' run as one."""
         if isinstance(state.dcache, RowView):
-            fused = self.draft.fused(feats.to(self.pair.dtype), emb)
+            fused = self.draft.module.fused(feats.to(self.pair.dtype), emb)
             n = fused.shape[0]
             out = yield {"lm": self.draft, "cache": state.dcache, "logits_to_keep": rows, "output_hidden_states": True,
                          "input_ids": torch.zeros(1, n, dtype=torch.long, device=state.device),

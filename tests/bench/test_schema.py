@@ -77,10 +77,13 @@ def cases():
         nested: set[type] = set()  # classes this method reached the walk's tried fields through
         for key, field, _, owner in owned_leaves(node, "method."):
             for why, value in bad_values(field).items():
-                seen = (owner, key.rsplit(".", 1)[-1], why) in tried
-                if seen and owner in nested:
+                case = (owner, key.rsplit(".", 1)[-1], why)
+                if case not in tried:
+                    tried.add(case)
+                elif owner in nested:
                     continue
-                nested.add(owner) if seen else tried.add((owner, key.rsplit(".", 1)[-1], why))
+                else:
+                    nested.add(owner)
                 yield pytest.param([f"method={name}"], key, value, id=f"{name}:{key}:{why}")
     nodes = checked(compose(TINY))
     for group in ("", "pair", "dataset", "recipe"):
