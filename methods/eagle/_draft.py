@@ -157,6 +157,10 @@ class CountedEagle(CountedLM):
     def __init__(self, draft: EagleDraft):
         super().__init__(draft, "eagle")  # its head's weights: CountedLM reads them from get_output_embeddings
 
+    def fused(self, feats: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """:meth:`EagleDraft.fused` (``fc`` is in the role's formula: counted with the forward that reads it)."""
+        return self.module.fused(feats, emb)
+
     def __call__(self, feats, emb, cache, rows: int, **kwargs):
         n = feats.shape[1]
         self._count(1, n, cache.get_seq_length() + n, head_rows=rows)

@@ -48,6 +48,7 @@ from torch import nn
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 from transformers import LlamaConfig
+from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
@@ -57,8 +58,8 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from core.artifacts import Artifact, model_fingerprint
-from core.counting import Counted
-from core.kv_cache import lm_forward
+from core.counting import CountedLM
+from core.kv_cache import CACHE_ARG, lm_forward
 from core.layer_taps import LayerTaps
 from training.kit import (
     answer_rows,
@@ -265,45 +266,110 @@ class Eagle3Draft(nn.Module):
                              f"{self.hidden}")
         return self.fc(feats)
 
-    def forward(self, feats: torch.Tensor, emb: torch.Tensor, cache=None, attention_mask=None,
-                position_ids=None) -> torch.Tensor:
+    def fused(self, feats: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """What the layer reads per position, ``(..., 2H)``: ``emb (..., H)`` and the input feature (:meth:`feature` of
+        ``feats``) side by side, the embedding first (the decoder's input; in a batch it is swapped in for its token
+        embeddings)."""
+        return torch.cat([emb, self.feature(feats)], dim=-1)
+
+    # What core.compiled.CompiledLM reads of a causal LM, so that a batch runs the draft's forwards on a batch cache
+    # (as EAGLE's draft layer, methods.eagle._draft.EagleDraft): the decoder (the layer), the head (norm, lm_head),
+    # and token embeddings, which every real row of its forwards replaces by :meth:`fused`'s input. Neither the
+    # decoder nor the embedding table is a submodule: the state dict stays the authors'.
+
+    def get_decoder(self) -> Eagle3Decoder:
+        if "_decoder" not in self.__dict__:
+            self.__dict__["_decoder"] = Eagle3Decoder(self)
+        return self.__dict__["_decoder"]
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        """A one-row table of zeros, ``2H`` wide: what the padding rows of a batch forward read (a real row's input is
+        swapped in)."""
+        weight = self.fc.weight
+        table = self.__dict__.get("_padding")
+        if table is None or table.weight.device != weight.device or table.weight.dtype != weight.dtype:
+            table = nn.Embedding(1, 2 * self.hidden, device=weight.device, dtype=weight.dtype).requires_grad_(False)
+            nn.init.zeros_(table.weight)
+            self.__dict__["_padding"] = table
+        return table
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def logits_of(self, out: torch.Tensor) -> torch.Tensor:
+        """The head on the decoder's outputs (core.compiled.logits_head): :meth:`logits`."""
+        return self.logits(out)
+
+    def fed_logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        """``(1, n, V')``: the layer read over ``inputs (1, n, 2H)`` (what :meth:`fused` gives) without a cache, then the
+        head: what its compiled forwards must give for the same inputs (``CompiledLM.check``)."""
+        return self.logits(lm_forward(self.get_decoder(), None, inputs_embeds=inputs).last_hidden_state)
+
+    def forward(self, feats: torch.Tensor, emb: torch.Tensor, cache=None, **kwargs) -> torch.Tensor:
         """``feats (B, n, 3H_t or H)`` at n positions and ``emb (B, n, H)`` the embeddings of the tokens after them ->
-        ``(B, n, H)`` the layer's outputs. ``cache``: a ``DynamicCache`` of the earlier positions, extended in place
-        (``None``: the whole sequence at once); ``attention_mask``: additive ``(1, 1, n, past + n)`` (``None``:
-        causal); ``position_ids (1, n)`` (``None``: past .. past + n - 1)."""
-        g = self.feature(feats)
-        layer, n = self.midlayer, g.shape[1]
-        past = cache.get_seq_length() if cache is not None else 0
-        if position_ids is None:
-            position_ids = torch.arange(past, past + n, device=g.device)[None]
+        ``(B, n, H)`` the layer's outputs. ``cache``: a ``Cache`` of the earlier positions, extended in place
+        (``None``: the whole sequence at once); ``kwargs``: a tree's ``attention_mask`` and ``position_ids``."""
+        return lm_forward(self.get_decoder(), None, cache, inputs_embeds=self.fused(feats, emb), **kwargs).last_hidden_state
+
+
+class Eagle3Decoder(nn.Module):
+    """The draft's layer called as a transformers decoder: ``inputs_embeds (B, n, 2H)`` (:meth:`Eagle3Draft.fused`'s:
+    the token embedding, then the input feature) -> ``last_hidden_state (B, n, H)``, the layer's outputs, on the cache
+    handed as the installed release names it (a ``DynamicCache``, or a batch's ``RowCache``: written through its one
+    layer's ``update``). ``attention_mask``: additive or boolean ``(B or 1, 1, n, past + n)`` (None: causal);
+    ``position_ids (B or 1, n)`` (None: past .. past + n - 1)."""
+
+    def __init__(self, draft: Eagle3Draft):
+        super().__init__()
+        self.__dict__["draft"] = draft  # not a submodule: the draft owns this, not the other way round
+
+    def forward(self, input_ids=None, inputs_embeds: torch.Tensor | None = None, attention_mask=None, position_ids=None,
+                use_cache: bool | None = None, **kwargs) -> BaseModelOutputWithPast:
+        draft = self.draft
+        cache = kwargs.pop(CACHE_ARG, None)
+        if input_ids is not None or inputs_embeds is None or kwargs:
+            raise ValueError("EAGLE-3's draft layer reads inputs_embeds (its fused inputs) and a cache only")
+        emb, g = inputs_embeds.split(draft.hidden, dim=-1)
+        layer, n = draft.midlayer, g.shape[1]
+        if position_ids is None or (attention_mask is None and n > 1):
+            past = cache.get_seq_length() if cache is not None else 0
+            if position_ids is None:
+                position_ids = torch.arange(past, past + n, device=g.device)[None]
+            if attention_mask is None:  # causal over the cache and the new positions
+                keys = torch.arange(past + n, device=g.device)
+                attention_mask = keys[None] <= past + torch.arange(n, device=g.device)[:, None]
         q, k, v = layer.self_attn.project(layer.inputs(emb, g), position_ids)
         if cache is not None:
             k, v = cache.update(k, v, 0)
-        if attention_mask is None and n > 1:  # causal over the cache and the new positions
-            keys = torch.arange(past + n, device=g.device)
-            attention_mask = keys[None] <= past + torch.arange(n, device=g.device)[:, None]
         attn = F.scaled_dot_product_attention(q, layer.self_attn.grouped(k), layer.self_attn.grouped(v),
                                               attn_mask=attention_mask)
-        return layer.finish(g, attn)
+        return BaseModelOutputWithPast(last_hidden_state=layer.finish(g, attn))
 
 
-class CountedEagle3(Counted):
+class CountedEagle3(CountedLM):
     """The ``eagle3`` role: ``draft(feats (1, n, 3H_t or H), emb (1, n, H), cache, rows, **kw)`` returns the outputs
     ``(1, n, H)`` and the logits ``(1, rows, V')`` of the last ``rows`` positions, counted as such: the layer, norm and
-    head by :mod:`core.flops`' formula, ``fc`` (3H_t x H) only on the calls that read the target's features."""
+    head by :mod:`core.flops`' formula, ``fc`` (3H_t x H) only on the calls that read the target's features. In a batch
+    its forwards run as a causal LM's on its batch cache (:meth:`CountedLM.forward_rows`), each row's input
+    :meth:`fused`'s in place of token embeddings."""
 
     def __init__(self, draft: Eagle3Draft):
-        super().__init__(draft, "eagle3", draft.config)
+        super().__init__(draft, "eagle3")  # its head's weights: CountedLM reads them from get_output_embeddings
         self.formula = self.formula.without([draft.fc], 0)  # fc runs on the target's features only: added per call
-        self.head_weights = draft.lm_head.weight.numel()
         self.fc_weights = draft.fc.weight.numel()
+
+    def fused(self, feats: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """:meth:`Eagle3Draft.fused`, ``fc``'s FLOPs counted where it runs (the forward reading the result is counted
+        as the layer's)."""
+        if feats.shape[-1] != self.module.hidden:
+            self.flops += 2.0 * self.fc_weights * feats.shape[-2]
+        return self.module.fused(feats, emb)
 
     def __call__(self, feats, emb, cache, rows: int, **kwargs):
         n = feats.shape[1]
-        fused = feats.shape[-1] != self.module.hidden
-        self._count(1, n, cache.get_seq_length() + n, head_rows=rows,
-                    extra_flops=2.0 * self.fc_weights * n if fused else 0.0)
-        out = self.module(feats, emb, cache, **kwargs)
+        self._count(1, n, cache.get_seq_length() + n, head_rows=rows)
+        out = lm_forward(self.module.get_decoder(), None, cache, inputs_embeds=self.fused(feats, emb), **kwargs)
+        out = out.last_hidden_state
         return out, self.module.logits(out[:, n - rows :])
 
 

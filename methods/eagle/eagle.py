@@ -137,8 +137,7 @@ class Eagle(DraftVerify):
     def start(self, state: State) -> None:
         # setup() loads the trained part before the timed decode; never lazily inside it.
         assert self.draft is not None, "call setup() before decode()"
-        # In a batch, its row of the draft's batch cache (EAGLE-3's draft, not batched, keeps a cache per row).
-        state.dcache = state.own_cache(self.draft) if self.batched_drafting else DynamicCache()
+        state.dcache = state.own_cache(self.draft)  # in a batch, its row of the draft's batch cache
         state.todo = state.prompt_hidden
         state.read = 0
         state.nodes = []
@@ -149,7 +148,7 @@ class Eagle(DraftVerify):
         last ``rows``. A generator of that forward: in a batch it is yielded as a causal LM's (its input ``fc``'s
         fused features in place of token embeddings), and the rows' run as one."""
         if isinstance(state.dcache, RowView):
-            fused = self.draft.module.fused(feats.to(self.pair.dtype), emb)
+            fused = self.draft.fused(feats.to(self.pair.dtype), emb)
             n = fused.shape[0]
             out = yield {"lm": self.draft, "cache": state.dcache, "logits_to_keep": rows, "output_hidden_states": True,
                          "input_ids": torch.zeros(1, n, dtype=torch.long, device=state.device),

@@ -57,17 +57,11 @@ class Eagle3Settings(EagleSettings):
 class Eagle3(Eagle):
     lossless = True
     hidden = False  # the draft reads three layers' inputs through its own hooks, not the last hidden state
-    # Its layer's attention reads the token embedding and the features side by side (2H wide), not one vector per
-    # position as a decoder layer does: a batch drafts row after row, each row with a cache of its own.
-    batched_drafting = False
     Config = Eagle3Settings
 
     def __init__(self, cfg, pair):
         super().__init__(cfg, pair)
         self.layers = feature_layers(pair.target.module.config.num_hidden_layers)
-
-    def batch_parts(self) -> list:
-        return []
 
     def setup(self, train_if_missing: bool = True) -> None:
         target = self.pair.target.module

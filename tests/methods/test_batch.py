@@ -140,11 +140,11 @@ BATCHED_DRAFTING = [m for m in known_methods() if getattr(get_method(m), "batche
 
 
 def test_the_methods_that_batch_their_drafting():
-    assert BATCHED_DRAFTING == ["cascade", "eagle", "gsd", "sd", "spechub", "sprinter", "swift"]  # docs/batching.md lists them
+    assert BATCHED_DRAFTING == ["cascade", "eagle", "eagle3", "gsd", "sd", "spechub", "sprinter", "swift"]  # docs/batching.md lists them
 
 
 @pytest.mark.parametrize("name,settings", [("sd", {"gamma": 4}), ("sd", {"gamma": 3, "confidence": 0.5}),
-                                           *[(m, {}) for m in BATCHED_DRAFTING if m not in ("sd", "eagle")]])  # eagle's: below
+                                           *[(m, {}) for m in BATCHED_DRAFTING if m not in ("sd", "eagle", "eagle3")]])  # eagle's: below
 def test_a_batch_drafts_every_row_in_one_draft_forward(good_pair, batch_graphs, draft_graphs, name, settings):
     """A method with batched drafting on the draft's batch cache: each drafting step of every row is ONE draft forward
     (padding the rows that drafted less, or finished: sd's fixed chains, chains that stop early per row, GSD's and
@@ -167,21 +167,23 @@ def test_a_batch_drafts_every_row_in_one_draft_forward(good_pair, batch_graphs, 
 
 
 @pytest.mark.parametrize("name,settings", [("eagle", {}), ("eagle", {"draft": "chain"}), ("eagle", {"draft": "static"}),
+                                           ("eagle3", {}), ("eagle3", {"draft": "chain"}),
                                            ("samd", {"aux": "eagle", "len_threshold": 99}), ("koala", {"base": "eagle"})])
 def test_a_batch_runs_every_rows_eagle_draft_in_one_forward(good_pair, batch_graphs, name, settings):
-    """EAGLE's draft layer on a batch cache of its own (``Method.batch_parts``; its input, fc's fused features, in place
-    of token embeddings): its catch-up, each tree level (under each row's tree mask) or chain step runs once for every
+    """EAGLE's and EAGLE-3's draft layer on a batch cache of its own (``Method.batch_parts``; its input, fc's fused
+    features (EAGLE-3's: beside the token's embedding), in place of token embeddings): its catch-up, each tree level (under each row's tree mask) or chain step runs once for every
     row, and each row decodes what it decodes alone, its draft's forwards counted to it."""
     pair = batched(good_pair, batch_graphs)
     method, alone = build(pair, name, **settings), build(good_pair, name, **settings)
     [draft] = method.batch_parts()
-    draft.compiled = CompiledLM(draft.module, max_len=1024, buckets=(1, 4, 16), role="eagle", rows=BATCH,
+    draft.compiled = CompiledLM(draft.module, max_len=1024, buckets=(1, 4, 16), role=draft.role, rows=BATCH,
                                 compiled=False)
     draft.compiled.check()
     got, forwards = decode_counting_rows(method, alone, draft, batch_graphs, prompts(good_pair))
-    per_row = sum(out.counts["eagle"]["calls"] for out in got)
-    assert forwards[0] == BATCH and len(forwards) < per_row  # the rows' forwards share forwards
-    assert draft.stats()["calls"] == per_row
+    per_row = [out.counts[draft.role] for out in got]
+    assert forwards[0] == BATCH and len(forwards) < sum(c["calls"] for c in per_row)  # the rows' forwards share forwards
+    assert draft.stats()["calls"] == sum(c["calls"] for c in per_row)
+    assert draft.stats()["flops"] == pytest.approx(sum(c["flops"] for c in per_row))  # EAGLE-3's fc: counted to its row
 
 
 @pytest.mark.parametrize("name", ["medusa", "hydra", "amphista"])
