@@ -408,10 +408,10 @@ class DraftVerify(Method):
                      "output_hidden_states": self.hidden}
         state.prompt_hidden = out.hidden_states[-1][0] if self.hidden else None
         state.prompt_logits = out.logits[0] if self.prompt_logits else None
-        yield from _forwards_of(self.start(state))
+        yield from forwards_of(self.start(state))
         state.commit([int(next_token(out.logits[0, -1], state.sampling, state.generator))], drafted=None)
         while not state.done:
-            proposal = yield from _forwards_of(self.propose(state))
+            proposal = yield from forwards_of(self.propose(state))
             past = state.cache.get_seq_length()
             # ONE target forward scores the pending token and every proposed node (and any side rows).
             keep = {"logits_to_keep": proposal.logit_rows} if proposal.logit_rows else {}
@@ -515,9 +515,10 @@ def _call(lm, cache, request: dict):
         return lm(cache=cache, **request)
 
 
-def _forwards_of(hook_result):
-    """What a hook (:meth:`DraftVerify.start`, :meth:`~DraftVerify.propose`) returns, through ``yield from``: a
-    generator of forwards is run to its return value; anything else is that value."""
+def forwards_of(hook_result):
+    """What a hook (:meth:`DraftVerify.start`, :meth:`~DraftVerify.propose`, a method's own step that may or may not
+    run a batched forward) returns, through ``yield from``: a generator of forwards is run to its return value;
+    anything else is that value."""
     if isinstance(hook_result, Generator):
         return (yield from hook_result)
     return hook_result

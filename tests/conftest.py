@@ -20,9 +20,9 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 
 def pytest_collection_modifyitems(config, items):
     """Under ``--dist loadgroup`` the tests on the real pair run on one worker: its draft is distilled once (the
-    session fixture ``real_pair``, minutes on 2 cores), not once per worker."""
+    session fixture ``real_pair``, minutes on 2 cores), not once per worker, and its target converted once."""
     for item in items:
-        if "real_pair" in getattr(item, "fixturenames", ()):
+        if {"real_pair", "real_target"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group("real_pair"))
 
 
@@ -74,6 +74,15 @@ def tiny_pair(compose_cfg):
     from bench.models import load_pair
 
     return load_pair(compose_cfg("pair=tiny"))
+
+
+@pytest.fixture(scope="session")
+def real_target(compose_cfg):
+    """The default target (SmolLM2-135M) alone, its pair's draft not loaded (nor distilled): for the real-model
+    tests that run no draft model, which CI's oldest leg keeps."""
+    from tests.helpers import trained_pair
+
+    return trained_pair(compose_cfg("pair=smollm2", "device=cpu", "recipe=smoke"), n_drafts=0)
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from core.counting import Counted, CountedModule
+from core.counting import CountedLM, CountedModule
 from core.kv_cache import lm_forward
 from core.model_parts import body_config, copy_last_layers
 from training.adversarial import AdversaryRecipe
@@ -203,18 +203,44 @@ class PrefixLayer(nn.Module):
         ``cache``: a transformers ``Cache`` holding the layer's keys and values of the earlier positions,
         extended in place (``None`` when the whole sequence is given at once, as in training).
         """
-        out = lm_forward(self.body, None, cache, inputs_embeds=hidden)
-        if self.gamma is None:
-            return out.last_hidden_state
-        return hidden + self.gamma * out.last_hidden_state
+        return self.combine(hidden, lm_forward(self.body, None, cache, inputs_embeds=hidden).last_hidden_state)
+
+    def combine(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its input ``hidden`` and ``L``'s output ``out`` (both ``(..., hidden)``)."""
+        return out if self.gamma is None else hidden + self.gamma * out
+
+    # What core.compiled.CompiledLM reads of a causal LM, so that a batch runs the layer's forwards on a batch cache
+    # (as EAGLE's draft layer): the decoder (``L``), a token table (one row: every real row's input is swapped in for
+    # it) and, as its "head", nothing: the logits a forward returns are ``L``'s output itself, which :meth:`combine`
+    # then adds to the input.
+
+    def get_decoder(self) -> nn.Module:
+        return self.body
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.body.get_input_embeddings()
+
+    def get_output_embeddings(self) -> None:
+        return None
+
+    def logits_of(self, out: torch.Tensor) -> torch.Tensor:
+        """``L``'s output as it is (core.compiled.logits_head: what a batch forward returns as its logits)."""
+        return out
+
+    def fed_logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        """``(1, n, hidden)``: ``L`` read over ``inputs (1, n, hidden)`` without a cache: what its compiled forwards
+        must give for the same inputs (``CompiledLM.check``)."""
+        return lm_forward(self.body, None, inputs_embeds=inputs).last_hidden_state
 
 
-class CountedPrefix(Counted):
+class CountedPrefix(CountedLM):
     """The ``prefix`` role: ``layer(hidden (B, n, hidden), cache)``, one decoder layer whose n query positions
-    attend to the cache and to themselves (FLOPs by :mod:`core.flops`, as for any model)."""
+    attend to the cache and to themselves (FLOPs by :mod:`core.flops`, as for any model). In a batch its forwards
+    run as a causal LM's on its batch cache (:meth:`CountedLM.forward_rows`), the hidden states swapped in for token
+    embeddings and ``L``'s output returned as the logits (:class:`PrefixLayer`)."""
 
     def __init__(self, layer: PrefixLayer, role: str = "prefix"):
-        super().__init__(layer, role, layer.config)
+        super().__init__(layer, role)
 
     def __call__(self, hidden: torch.Tensor, cache) -> torch.Tensor:
         batch, new = hidden.shape[:2]

@@ -29,7 +29,8 @@ from transformers import DynamicCache
 from core.errors import BenchError
 from decoding.sampling import Sampling, probs_from_logits, sample
 from decoding.tree import Tree
-from methods.base import DraftVerify, MethodSettings, PromptState, Proposal
+from core.static_cache import RowView
+from methods.base import DraftVerify, MethodSettings, PromptState, Proposal, forwards_of
 from methods.heads._heads import KINDS, CountedHeads, CountedPrefix, HeadsRecipe
 from methods.heads._published import load_published_heads
 from methods.heads._train import heads_artifact, untrained_heads
@@ -129,6 +130,8 @@ class TreeHeadsMethod(DraftVerify):
     kind = "?"
     Config = TreeHeadsSettings
     hidden = True  # the heads read the target's last hidden states
+    # A batch stacks every row's heads call into one, and runs the prefix layer's forwards (Hydra++) as one.
+    batched_drafting = True
 
     def __init__(self, cfg, pair):
         super().__init__(cfg, pair)
@@ -184,12 +187,15 @@ class TreeHeadsMethod(DraftVerify):
         if prefix is not None:
             self.prefix = self.pair.add(CountedPrefix(prefix, "prefix"))
 
-    def new_memory(self):
-        """The caches of whatever the heads' input runs over the committed positions, fresh for one decode: the
-        prefix layer's KV cache (``None`` without one)."""
-        return DynamicCache() if self.prefix is not None else None
+    def batch_parts(self) -> list:
+        return [self.prefix] if self.prefix is not None else []
 
-    def heads_input(self, hiddens: torch.Tensor, next_ids: list[int], memory) -> torch.Tensor:
+    def new_memory(self, state: PromptState):
+        """The caches of whatever the heads' input runs over the committed positions, fresh for ``state``'s decode:
+        the prefix layer's KV cache (in a batch, its row of the layer's batch cache; ``None`` without one)."""
+        return state.own_cache(self.prefix) if self.prefix is not None else None
+
+    def heads_input(self, hiddens: torch.Tensor, next_ids: list[int], memory):
         """What the heads read once the target has committed more positions.
 
         Args:
@@ -200,11 +206,18 @@ class TreeHeadsMethod(DraftVerify):
                 is ever fed twice.
         Returns:
             ``(hidden,)``: the target's hidden state at the last committed position, or the prefix layer's
-            output there.
+            output there (a generator of its forward: in a batch it is yielded as a causal LM's, the hidden states
+            swapped in for token embeddings, and the rows' run as one).
         """
         if self.prefix is None:
             return hiddens[-1]
-        return self.prefix(hiddens.unsqueeze(0), memory)[0, -1]
+        if not isinstance(memory, RowView):
+            return self.prefix(hiddens.unsqueeze(0), memory)[0, -1]
+        n = hiddens.shape[0]
+        out = yield {"lm": self.prefix, "cache": memory, "input_ids": torch.zeros(1, n, dtype=torch.long,
+                                                                                  device=hiddens.device),
+                     "swap": (torch.ones(n, dtype=torch.bool), hiddens), "logits_to_keep": 1}
+        return self.prefix.module.combine(hiddens[-1], out.logits[0, -1])
 
     def fill(self, hidden: torch.Tensor, pending: int, shape: Tree):
         """``shape`` with its tokens proposed by the heads: a generator of the heads' calls (``{"lm": self.heads,
@@ -221,7 +234,7 @@ class TreeHeadsMethod(DraftVerify):
     class State(PromptState):
         """One prompt's heads: what they read next, the prefix or adaptation layers' caches, and the tree sizes."""
 
-        memory: DynamicCache | list[DynamicCache] | None  # new_memory()'s caches, extended by heads_input
+        memory: DynamicCache | RowView | list[DynamicCache] | None  # new_memory()'s caches, extended by heads_input
         unread: torch.Tensor | None  # (n, hidden) the target's hidden states heads_input has not read yet
         input: torch.Tensor  # heads_input's output at the last committed position: what fill reads
         typical: bool  # Medusa's typical acceptance verifies this prompt (sampling with typical: true)
@@ -230,14 +243,15 @@ class TreeHeadsMethod(DraftVerify):
     def start(self, state: State) -> None:
         # setup() loads the trained part before the timed decode; never lazily inside it.
         assert self.heads is not None, "call setup() before decode()"
-        state.memory = self.new_memory()
+        state.memory = self.new_memory(state)
         state.unread = state.prompt_hidden  # fed to heads_input at the first proposal, once the pending token is known
         state.typical = self.cfg.typical and not state.sampling.greedy
         state.nodes = []
 
     def propose(self, state: State) -> Proposal:
         if state.unread is not None:
-            state.input = self.heads_input(state.unread, state.seq[-len(state.unread):], state.memory)
+            state.input = yield from forwards_of(self.heads_input(state.unread, state.seq[-len(state.unread):],
+                                                                 state.memory))
             state.unread = None
         shape = self.shapes[min(state.draft_budget, self.shape.max_depth)]
         tree = (yield from self.fill(state.input, state.seq[-1], shape)) if len(shape) > 1 else Tree(state.seq[-1])

@@ -50,12 +50,15 @@ class AmphistaSettings(TreeHeadsSettings):
 class Amphista(Medusa):
     kind = "amphista"
     Config = AmphistaSettings
+    # A batch stacks every row's heads call into one, but runs the adaptation layers row after row, each row with
+    # caches of its own (docs/batching.md).
+    batched_drafting = False
 
     def add_roles(self, heads, prefix) -> None:
         self.adapt = self.pair.add(CountedAdapt(heads))
         self.heads = self.pair.add(CountedAmphistaHeads(heads))
 
-    def new_memory(self):
+    def new_memory(self, state):
         return [DynamicCache() for _ in self.adapt.module]  # one KV cache per adaptation layer
 
     def heads_input(self, hiddens: torch.Tensor, next_ids: list[int], memory) -> torch.Tensor:

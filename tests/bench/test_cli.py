@@ -60,12 +60,17 @@ def test_run_writes_records_and_provenance(tiny_run):
     (["compile=true", "compile_buckets=[0,4]"], "compile_buckets"),
     (["batch_size=0"], "batch_size=0 is not allowed; it takes an integer >= 1"),
 ])
-def test_bad_input_one_sentence_exit_2_nothing_written(tmp_path, cache_dir, args, needle):
-    """The real command line: one sentence on stderr, exit status 2, and not even the run directory."""
+def test_bad_input_one_sentence_exit_2_nothing_written(tmp_path, cache_dir, monkeypatch, capsys, args, needle):
+    """The command line's entry point, in-process (a subprocess costs seconds of imports; the tests below run the real
+    one): one sentence on stderr, exit status 2, and not even the run directory."""
+    from bench.__main__ import main
+
+    monkeypatch.setenv("BENCH_CACHE", str(cache_dir))
     out = tmp_path / "run"
-    res = bench("run", "pair=tiny", *args, f"hydra.run.dir={out}", cache_dir=cache_dir, timeout=300)
-    assert res.returncode == 2, res.stderr
-    assert res.stderr.startswith("error: ") and needle in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    code = main(["run", "pair=tiny", *args, f"hydra.run.dir={out}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("error: ") and needle in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
 
 

@@ -84,6 +84,7 @@ def test_lossy_mismatches_carry_their_divergence(compose_cfg, tmp_path):
     assert rows["ar"]["tie_flips"] is None and rows["ar"]["mismatches"] is None
 
 
+@pytest.mark.newest_only  # the runner around compiled forwards, which tests/core/test_compiled.py checks in both legs
 def test_a_compiled_run_says_what_it_compiled(compose_cfg, tmp_path):
     """``compile=true``: the baseline and the method decode through the same compiled forwards, the method's draft
     model through its own, greedy-equal; every record says so, and run.json names each model's buckets and each one's
@@ -130,6 +131,7 @@ def test_a_compiled_run_says_what_it_compiled(compose_cfg, tmp_path):
     assert kept.held() == {}
 
 
+@pytest.mark.newest_only  # the runner around compiled forwards, which tests/core/test_compiled.py checks in both legs
 def test_a_compiled_batch_run_lets_go_of_its_frozen_weights(compose_cfg, tmp_path):
     """A compiled batch run keeps nothing for the next job of a sweep: when it ends, no module inductor generated for
     its graphs still holds a tensor (with freezing, each holds its graph's frozen weights; a sweep of such jobs grew

@@ -137,14 +137,18 @@ def test_a_compiled_batch_swaps_and_skips_per_row(name, good_pair, batch_graphs)
 
 
 BATCHED_DRAFTING = [m for m in known_methods() if getattr(get_method(m), "batched_drafting", False)]
+# Those whose drafting runs a draft model (SWIFT's: the target with layers skipped); the others' draft layers and heads
+# are tested below.
+DRAFT_MODELS_BATCHED = [m for m in BATCHED_DRAFTING if get_method(m).drafts or m == "swift"]
 
 
 def test_the_methods_that_batch_their_drafting():
-    assert BATCHED_DRAFTING == ["cascade", "eagle", "eagle3", "gsd", "sd", "spechub", "sprinter", "swift"]  # docs/batching.md lists them
+    assert BATCHED_DRAFTING == ["cascade", "eagle", "eagle3", "gsd", "hydra", "hydra_pp", "medusa", "sd", "spechub",
+                                "sprinter", "swift"]  # docs/batching.md lists them
 
 
 @pytest.mark.parametrize("name,settings", [("sd", {"gamma": 4}), ("sd", {"gamma": 3, "confidence": 0.5}),
-                                           *[(m, {}) for m in BATCHED_DRAFTING if m not in ("sd", "eagle", "eagle3")]])  # eagle's: below
+                                           *[(m, {}) for m in DRAFT_MODELS_BATCHED if m != "sd"]])
 def test_a_batch_drafts_every_row_in_one_draft_forward(good_pair, batch_graphs, draft_graphs, name, settings):
     """A method with batched drafting on the draft's batch cache: each drafting step of every row is ONE draft forward
     (padding the rows that drafted less, or finished: sd's fixed chains, chains that stop early per row, GSD's and
@@ -167,11 +171,12 @@ def test_a_batch_drafts_every_row_in_one_draft_forward(good_pair, batch_graphs, 
 
 
 @pytest.mark.parametrize("name,settings", [("eagle", {}), ("eagle", {"draft": "chain"}), ("eagle", {"draft": "static"}),
-                                           ("eagle3", {}), ("eagle3", {"draft": "chain"}),
+                                           ("eagle3", {}), ("eagle3", {"draft": "chain"}), ("hydra_pp", {}),
                                            ("samd", {"aux": "eagle", "len_threshold": 99}), ("koala", {"base": "eagle"})])
 def test_a_batch_runs_every_rows_eagle_draft_in_one_forward(good_pair, batch_graphs, name, settings):
-    """EAGLE's and EAGLE-3's draft layer on a batch cache of its own (``Method.batch_parts``; its input, fc's fused
-    features (EAGLE-3's: beside the token's embedding), in place of token embeddings): its catch-up, each tree level (under each row's tree mask) or chain step runs once for every
+    """EAGLE's and EAGLE-3's draft layer, and Hydra++'s prefix layer, on a batch cache of its own
+    (``Method.batch_parts``; its input, fc's fused features (EAGLE-3's: beside the token's embedding) or the target's
+    hidden states, in place of token embeddings): its catch-up, each tree level (under each row's tree mask) or chain step runs once for every
     row, and each row decodes what it decodes alone, its draft's forwards counted to it."""
     pair = batched(good_pair, batch_graphs)
     method, alone = build(pair, name, **settings), build(good_pair, name, **settings)

@@ -22,6 +22,11 @@ from tests.helpers import (
     with_drafts,
 )
 
+# Verification math and loop logic beyond the registry walk: the method's model calls (its draft's and the target's
+# forwards) are those tests/methods/test_methods.py makes for it under both transformers releases; CI's oldest leg
+# skips these.
+pytestmark = pytest.mark.newest_only
+
 
 @pytest.fixture(scope="module")
 def good_pair(tiny_pair):

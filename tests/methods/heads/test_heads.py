@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from core.errors import BenchError
 from decoding.sampling import Sampling
 from methods.registry import get_method
-from tests.helpers import decode, prompts_for
+from tests.helpers import decode, forwards_run, prompts_for
 from tests.helpers import method_cfg as shipped_cfg
 
 TINY_RECIPE = {"vocab": 200, "batch_size": 8}  # and the tiny pair's smoke recipe: 4096 teacher tokens
@@ -145,7 +145,7 @@ def test_prefix_layer_while_decoding_equals_it_over_the_committed_sequence(pair)
         torch.nn.init.normal_(method.prefix.module.gamma)
     seen = []
     inner = method.heads_input
-    method.heads_input = lambda hiddens, next_ids, memory: seen.append(inner(hiddens, next_ids, memory)) or seen[-1]
+    method.heads_input = lambda *args: seen.append(forwards_run(inner(*args))) or seen[-1]
     ids = prompts_for(pair, 1)[0]
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
