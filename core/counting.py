@@ -74,6 +74,12 @@ class Counted:
         self.flops += total + extra_flops
 
 
+    def _count_outside(self, flops: float) -> None:
+        """``flops`` of a part of the module run outside its counted calls (EAGLE-3's ``fc`` on the target's features,
+        ahead of the forward that reads its output): added to the role's FLOPs, no call or token counted."""
+        self.flops += flops
+
+
 class CountedLM(Counted):
     """A causal LM with a KV cache. ``lm(input_ids, cache, **kw)`` returns the model's output object.
 

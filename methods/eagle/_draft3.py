@@ -362,7 +362,7 @@ class CountedEagle3(CountedLM):
         """:meth:`Eagle3Draft.fused`, ``fc``'s FLOPs counted where it runs (the forward reading the result is counted
         as the layer's)."""
         if feats.shape[-1] != self.module.hidden:
-            self.flops += 2.0 * self.fc_weights * feats.shape[-2]
+            self._count_outside(2.0 * self.fc_weights * feats.shape[-2])
         return self.module.fused(feats, emb)
 
     def __call__(self, feats, emb, cache, rows: int, **kwargs):
