@@ -29,10 +29,11 @@ def test_default_target_is_a_real_instruct_model(real_target):
     assert "Paris" in text
 
 
-# Heads read the target's hidden states as every method's forwards do; under the oldest transformers the real pair's
-# sd test (and the tiny pairs' heads) cover that, so CI's oldest leg skips these four minutes.
+# Heads read the target's hidden states as every method's forwards do; under the oldest transformers the tiny pairs'
+# heads cover that, so CI's oldest leg skips these. Medusa's heads and Hydra++'s prefix layer: what Hydra's and
+# Amphista's heads read of the target is the same (the tiny pairs walk those).
 @pytest.mark.newest_only
-@pytest.mark.parametrize("name", ["medusa", "hydra", "hydra_pp", "amphista"])
+@pytest.mark.parametrize("name", ["medusa", "hydra_pp"])
 def test_tree_heads_equal_ar_greedy_on_default_pair(real_pair, name):
     """Tree verification on the real target; heads from a seconds-long recipe (equality must hold anyway)."""
     import dataclasses
