@@ -204,3 +204,20 @@ def test_verify_cost_times_every_kernel_and_row_count(tmp_path, cache_dir):
         assert (table[f"{kernel}_ms"] > 0).all() and table[f"ratio_{kernel}"].iloc[0] == 1.0
     assert (table["compiled_plain_ms"] > 0).all()
     assert (table["bound_ms"] > 0).all() and table["bound_ms"].nunique() == 1  # the streaming bound: one per model
+
+
+@pytest.mark.newest_only
+def test_loop_overhead_times_each_method_per_token(monkeypatch, capsys):
+    """scripts/loop_overhead.py (in-process): a positive time per token for each method named, printed."""
+    import importlib.util
+
+    monkeypatch.chdir(ROOT)
+    spec = importlib.util.spec_from_file_location("loop_overhead", ROOT / "scripts" / "loop_overhead.py")
+    loop_overhead = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loop_overhead)
+    import torch
+
+    threads = str(torch.get_num_threads())  # as the test process has them (tests/conftest.py splits them per worker)
+    times = loop_overhead.main(["--methods", "ar,pld", "--repeats", "1", "--max-new", "4", "--threads", threads])
+    assert set(times) == {"ar", "pld"} and all(ms > 0 for ms in times.values())
+    assert capsys.readouterr().out.strip() == f"ar={times['ar']:.3f}ms/token pld={times['pld']:.3f}ms/token"
