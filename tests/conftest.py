@@ -18,10 +18,12 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which turns the groups into nodeid suffixes
 def pytest_collection_modifyitems(config, items):
-    """Meant to run the tests on the real pair on one worker under ``--dist loadgroup``, so that its draft is distilled
-    once (the session fixture ``real_pair``, minutes on 2 cores) and its target converted once. Measured 2026-11-28:
-    they still land on both workers (xdist reads the groups before this marks them); docs/architecture.md."""
+    """Under ``--dist loadgroup`` the tests on the real pair run on one worker: its draft is distilled once (the
+    session fixture ``real_pair``, minutes on 2 cores), and its target converted once. Needs pytest < 9.2
+    (pyproject.toml: 9.2 drops the suffixes, pytest-xdist issue 1386) and this hook first (checked 2026-11-28 with a
+    two-group example: without ``tryfirst`` the groups added here were ignored)."""
     for item in items:
         if {"real_pair", "real_target"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group("real_pair"))
