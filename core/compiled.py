@@ -54,6 +54,7 @@ from core.errors import BenchError
 from core.kv_cache import lm_forward
 from core.model_parts import decoder_layers
 from core.static_cache import RowCache
+from core.swapped_embeddings import fed, with_swapped
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # query rows a graph is compiled for (SGLang and vLLM capture similar sizes)
 # The cache slots an eager forward reads are rounded up to a multiple of this (the kernels' inner loops stay whole).
@@ -241,8 +242,7 @@ class CompiledLM:
         self.cache.attend = visible.shape[-1]  # the slots the cache's layers hand attention (CompiledLM.attended)
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=ids.device)
         mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]  # (rows, 1, Q, L), additive
-        embeds = self.embed(ids)
-        embeds = torch.where(swapped[..., None], fill.to(embeds.dtype), embeds)
+        embeds = with_swapped(self.embed(ids), swapped, fill)
         return lm_forward(self.decoder, None, self.cache, inputs_embeds=embeds,
                           position_ids=self.cache.forward_lengths[:, None] + depth, attention_mask=mask).last_hidden_state
 
@@ -534,11 +534,12 @@ class CompiledLM:
         reads a sequence per row, row b's context ``b`` tokens longer (rows of different lengths in one forward).
         After :meth:`warm` (it runs under :func:`no_recompiles`, where even a first compile is an error)."""
         rows, length = self.cache.rows, context + self.cache.rows + new
-        # A module fed vectors, never token ids (EAGLE's draft: its one-row token table would make every input the
-        # same, and the context invisible): fixed random vectors, swapped in for every row of its compiled forwards.
-        fed = getattr(self.module, "fed_logits", None)
-        if fed is None:
-            vocab = self.embed.num_embeddings
+        # A module fed vectors, never token ids, has a one-row token table (EAGLE's draft layers, Hydra++'s prefix
+        # layer): token ids would make every input the same, and the context invisible. It reads fixed random vectors,
+        # swapped in for every row of its compiled forwards; its eager reference is its decoder over them, then its head.
+        vocab = self.embed.num_embeddings
+        fed_vectors = vocab == 1
+        if not fed_vectors:
             ids = (torch.arange(length, device=self.device) * 7 + vocab // 3).remainder(vocab).unsqueeze(0)
         else:
             ids = torch.arange(length, device=self.device).unsqueeze(0)  # which vector each position reads
@@ -547,12 +548,12 @@ class CompiledLM:
         seqs = [ids[:, :context + b + new] for b in range(rows)]
 
         def request(s: torch.Tensor) -> dict:
-            if fed is None:
-                return {"input_ids": s}
-            return {"input_ids": torch.zeros_like(s), "swap": (torch.ones(s.shape[1], dtype=torch.bool), vectors[s[0]])}
+            return fed(vectors[s[0]]) if fed_vectors else {"input_ids": s}
 
         def eager(s: torch.Tensor) -> torch.Tensor:  # (n, vocab): the eager model's logits for s read whole, no cache
-            return (lm_forward(self.module, s).logits if fed is None else fed(vectors[s[0]][None]))[0].float()
+            if not fed_vectors:
+                return lm_forward(self.module, s).logits[0].float()
+            return self.head(lm_forward(self.decoder, None, inputs_embeds=vectors[s[0]][None]).last_hidden_state)[0].float()
 
         with torch.inference_mode(), no_recompiles():
             self.new_cache(f"the compiled {self.role}'s check")

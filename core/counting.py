@@ -73,7 +73,6 @@ class Counted:
             total -= 2.0 * self.head_weights * batch * (new_tokens - head_rows)
         self.flops += total + extra_flops
 
-
     def _count_outside(self, flops: float) -> None:
         """``flops`` of a part of the module run outside its counted calls (EAGLE-3's ``fc`` on the target's features,
         ahead of the forward that reads its output): added to the role's FLOPs, no call or token counted."""

@@ -18,6 +18,15 @@ def with_swapped(embeds: torch.Tensor, rows: torch.Tensor, fill: torch.Tensor) -
     return torch.where(rows[..., None], fill.to(embeds.dtype), embeds)
 
 
+def fed(vectors: torch.Tensor) -> dict:
+    """A forward's inputs that read ``vectors (n, hidden)`` in place of every token's embedding (a module fed vectors,
+    never token ids, whose token table has one row: EAGLE's draft layers, Hydra++'s prefix layer): ``input_ids`` zeros
+    ``(1, n)`` and ``swap``, every row replaced."""
+    n = vectors.shape[0]
+    return {"input_ids": torch.zeros(1, n, dtype=torch.long, device=vectors.device),
+            "swap": (torch.ones(n, dtype=torch.bool), vectors)}
+
+
 @contextlib.contextmanager
 def swapped_embeddings(lm, rows: torch.Tensor, fill: torch.Tensor):
     """Within the block, every forward of ``lm`` (a ``core.counting.CountedLM``, compiled or not) of ``len(rows)``

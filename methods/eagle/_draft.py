@@ -127,11 +127,6 @@ class EagleDraft(nn.Module):
     def get_output_embeddings(self) -> nn.Linear:
         return self.head
 
-    def fed_logits(self, inputs: torch.Tensor) -> torch.Tensor:
-        """``(1, n, V')``: the body read over ``inputs (1, n, H)`` (what ``fc`` would give) without a cache, then the
-        head: what its compiled forwards must give for the same inputs (``CompiledLM.check``)."""
-        return self.head(lm_forward(self.body, None, inputs_embeds=inputs).last_hidden_state)
-
     def fused(self, feats: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """``fc``'s input for the body, ``(..., H)``, from ``feats`` and ``emb`` ``(..., H)`` each (in a batch it is
         swapped in for the body's token embeddings; counted with the forward that reads it: ``fc`` is in the role's

@@ -300,11 +300,6 @@ class Eagle3Draft(nn.Module):
         """The head on the decoder's outputs (core.compiled.logits_head): :meth:`logits`."""
         return self.logits(out)
 
-    def fed_logits(self, inputs: torch.Tensor) -> torch.Tensor:
-        """``(1, n, V')``: the layer read over ``inputs (1, n, 2H)`` (what :meth:`fused` gives) without a cache, then the
-        head: what its compiled forwards must give for the same inputs (``CompiledLM.check``)."""
-        return self.logits(lm_forward(self.get_decoder(), None, inputs_embeds=inputs).last_hidden_state)
-
     def forward(self, feats: torch.Tensor, emb: torch.Tensor, cache=None, **kwargs) -> torch.Tensor:
         """``feats (B, n, 3H_t or H)`` at n positions and ``emb (B, n, H)`` the embeddings of the tokens after them ->
         ``(B, n, H)`` the layer's outputs. ``cache``: a ``Cache`` of the earlier positions, extended in place

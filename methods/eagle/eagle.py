@@ -30,6 +30,7 @@ from transformers import DynamicCache
 
 from core.errors import BenchError
 from core.static_cache import RowView
+from core.swapped_embeddings import fed
 from decoding.cache import truncate_cache
 from decoding.sampling import draft_token
 from decoding.tree import Tree, additive_mask
@@ -149,10 +150,8 @@ class Eagle(DraftVerify):
         fused features in place of token embeddings), and the rows' run as one."""
         if isinstance(state.dcache, RowView):
             fused = self.draft.fused(feats.to(self.pair.dtype), emb)
-            n = fused.shape[0]
             out = yield {"lm": self.draft, "cache": state.dcache, "logits_to_keep": rows, "output_hidden_states": True,
-                         "input_ids": torch.zeros(1, n, dtype=torch.long, device=state.device),
-                         "swap": (torch.ones(n, dtype=torch.bool), fused), **kwargs}
+                         **fed(fused), **kwargs}
             return out.hidden_states[-1][0], out.logits[0]
         out, logits = self.draft(feats[None].to(self.pair.dtype), emb[None], state.dcache, rows=rows, **kwargs)
         return out[0], logits[0]

@@ -227,11 +227,6 @@ class PrefixLayer(nn.Module):
         """``L``'s output as it is (core.compiled.logits_head: what a batch forward returns as its logits)."""
         return out
 
-    def fed_logits(self, inputs: torch.Tensor) -> torch.Tensor:
-        """``(1, n, hidden)``: ``L`` read over ``inputs (1, n, hidden)`` without a cache: what its compiled forwards
-        must give for the same inputs (``CompiledLM.check``)."""
-        return lm_forward(self.body, None, inputs_embeds=inputs).last_hidden_state
-
 
 class CountedPrefix(CountedLM):
     """The ``prefix`` role: ``layer(hidden (B, n, hidden), cache)``, one decoder layer whose n query positions

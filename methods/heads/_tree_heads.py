@@ -27,9 +27,10 @@ from pydantic import Field, NonNegativeInt, model_validator
 from transformers import DynamicCache
 
 from core.errors import BenchError
+from core.static_cache import RowView
+from core.swapped_embeddings import fed
 from decoding.sampling import Sampling, probs_from_logits, sample
 from decoding.tree import Tree
-from core.static_cache import RowView
 from methods.base import DraftVerify, MethodSettings, PromptState, Proposal, forwards_of
 from methods.heads._heads import KINDS, CountedHeads, CountedPrefix, HeadsRecipe
 from methods.heads._published import load_published_heads
@@ -213,10 +214,7 @@ class TreeHeadsMethod(DraftVerify):
             return hiddens[-1]
         if not isinstance(memory, RowView):
             return self.prefix(hiddens.unsqueeze(0), memory)[0, -1]
-        n = hiddens.shape[0]
-        out = yield {"lm": self.prefix, "cache": memory, "input_ids": torch.zeros(1, n, dtype=torch.long,
-                                                                                  device=hiddens.device),
-                     "swap": (torch.ones(n, dtype=torch.bool), hiddens), "logits_to_keep": 1}
+        out = yield {"lm": self.prefix, "cache": memory, "logits_to_keep": 1, **fed(hiddens)}
         return self.prefix.module.combine(hiddens[-1], out.logits[0, -1])
 
     def fill(self, hidden: torch.Tensor, pending: int, shape: Tree):
