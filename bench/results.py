@@ -114,8 +114,8 @@ def legacy_epochs(recipe_name: str) -> dict[str, int]:
 
 # Settings added after run keys were first made, with the default that means "as before": dropped from keys at
 # that default, so keys made before stay valid (epochs: issue 29; weights, the authors' published drafters, and
-# EAGLE-1's static tree, read only with draft=static: issue 30; sd's draft length by batch size: issue 41).
-ADDED_DEFAULTS = {"epochs": None, "weights": None, "static_tree": "eagle1", "gamma_by_batch": None}
+# EAGLE-1's static tree, read only with draft=static: issue 30; settings by batch size: issue 41).
+ADDED_DEFAULTS = {"epochs": None, "weights": None, "static_tree": "eagle1", "by_batch": None}
 
 
 def _without_unset_epochs(node):

@@ -237,7 +237,10 @@ def build_methods(cfg: DictConfig, mcfgs: dict[str, DictConfig], pair: Pair) -> 
     for name, mcfg in mcfgs.items():
         # Each its own role table over the shared models: amphista and its baseline medusa both count "heads",
         # and one registering it must not take the other's counts away.
-        built[name] = get_method(name)(mcfg, dataclasses.replace(pair, roles=dict(pair.roles)))
+        # Its settings as read at the run's batch size (method.by_batch).
+        cls = get_method(name)
+        settings = cls.check_settings(mcfg).at_batch(int(cfg.get("batch_size") or 1))
+        built[name] = cls(settings, dataclasses.replace(pair, roles=dict(pair.roles)))
         built[name].setup(train_if_missing=cfg.train_if_missing)
     return built
 

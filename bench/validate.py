@@ -93,13 +93,14 @@ def checked(cfg: DictConfig) -> dict[str, Settings]:
     settings = check(RunSettings, data, "", "the top level")
     method_cls = get_method(nodes["method"].get("name"))
     method = method_cls.check_settings(nodes["method"])
+    at_batch = method.at_batch(settings.batch_size)  # what the run reads (method.by_batch)
     pair = check(PairSettings, nodes["pair"], "pair", f"pair={nodes['pair'].get('name')}")
-    method_cls.check_pair(method, pair)
+    method_cls.check_pair(at_batch, pair)
     if pair.synthetic:
-        check_synthetic(settings, method_cls, method, pair)
+        check_synthetic(settings, method_cls, at_batch, pair)
     dataset = dataset_settings(nodes["dataset"])
     recipe = check(RecipeSettings, nodes["recipe"], "recipe", f"recipe={nodes['recipe'].get('name')}")
-    method_cls.check_recipe(method, recipe)
+    method_cls.check_recipe(at_batch, recipe)
     if settings.baseline is not None:
         baseline = get_method(settings.baseline)  # an unknown name lists the known ones
         try:

@@ -232,20 +232,22 @@ def _plural(text: str) -> str:
     return text
 
 
-def rows(settings: Settings, prefix: str = "") -> list[dict]:
+def rows(settings: Settings, prefix: str = "", nested: bool = False) -> list[dict]:
     """Every leaf setting of a validated node: ``{key, type, value, meaning}`` (what ``show`` prints), less the fields
-    declared with ``json_schema_extra={"shown": False}`` (a method's name, which ``method=<name>`` sets)."""
+    declared with ``json_schema_extra={"shown": False}`` (a method's name, which ``method=<name>`` sets), and, in a
+    node nested in another (``nested``), those declared ``{"nested": False}`` (read from the outermost node only)."""
     out = []
     for name, field in type(settings).model_fields.items():
-        if (field.json_schema_extra or {}).get("shown") is False:
+        extra = field.json_schema_extra or {}
+        if extra.get("shown") is False or (nested and extra.get("nested") is False):
             continue
         value = getattr(settings, name)
         key = f"{prefix}{name}"
         if isinstance(value, Settings):
-            out += rows(value, f"{key}.")
+            out += rows(value, f"{key}.", nested=True)
         elif isinstance(value, list) and value and all(isinstance(v, Settings) for v in value):
             for i, v in enumerate(value):
-                out += rows(v, f"{key}.{i}.")
+                out += rows(v, f"{key}.{i}.", nested=True)
         else:
             out.append({"key": key, "type": describe_type(field), "value": value, "meaning": field.description or ""})
     return out

@@ -21,10 +21,11 @@ from collections.abc import Callable, Generator
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 from transformers import DynamicCache
 
 from core.errors import BenchError
@@ -38,12 +39,55 @@ from decoding.tree import SideRows, Tree, keep_path, tree_request, tree_scores
 from decoding.verify import verify_chain, verify_tree
 
 
+def deep_merge(base: dict, over: dict) -> dict:
+    """``base`` with ``over``'s values in place of its own, nested dicts merged key by key (a nested method's)."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 class MethodSettings(Settings):
     """A method's settings (``method.*``); each method declares its own as a subclass, ``Config``, in its file."""
 
     # Set by method=<name>, or by the enclosing method for one nested in another's settings: `show` lists it not.
     name: str = Field("", description="the method, as registered (method=<name> sets it)",
                       json_schema_extra={"shown": False})
+    by_batch: dict[int, dict[str, Any]] | None = Field(
+        None, description="settings by batch size, {B: {setting: value, ...}, ...}: at batch_size B and above (to the "
+        "next B listed) they replace the others, as vLLM's num_speculative_tokens_per_batch_size (the best draft "
+        "length shrinks as the batch grows: docs/batching.md); e.g. {4: {gamma: 3}, 8: {gamma: 2}}",
+        json_schema_extra={"nested": False})  # a nested method's is refused: the run's method's entries set it
+
+    @field_validator("by_batch", mode="before")
+    @classmethod
+    def batch_sizes_as_read(cls, value):
+        """JSON (a record's settings, these settings dumped) writes the batch sizes as text."""
+        if isinstance(value, dict):
+            return {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in value.items()}
+        return value
+
+    @model_validator(mode="after")
+    def batch_sizes(self):
+        if any(b < 1 for b in self.by_batch or {}):
+            raise ValueError(f"by_batch's keys are batch sizes, integers >= 1; got {sorted(self.by_batch)}.")
+        return self
+
+    def at_batch(self, batch_size: int) -> MethodSettings:
+        """These settings as a run at ``batch_size`` reads them: the :attr:`by_batch` entry of the largest B listed
+        that is at most ``batch_size`` over the others (none listed: these), checked as any settings are."""
+        listed = [b for b in sorted(self.by_batch or {}) if b <= batch_size]
+        return self.with_entry(listed[-1]) if listed else self
+
+    def with_entry(self, b: int) -> MethodSettings:
+        """These settings with :attr:`by_batch`'s entry for batch size ``b`` over them; one sentence on a bad entry."""
+        where = f"method.by_batch.{b}"
+        entry = self.by_batch[b]
+        if not isinstance(entry, dict) or {"name", "by_batch"} & set(entry):
+            raise BenchError(f"{where} must map settings of {self.name or 'the method'} to their values at that batch "
+                             f"size, not name or by_batch; got {entry!r}.")
+        data = deep_merge(self.model_dump(mode="json", exclude={"by_batch"}), entry)
+        return check(type(self), {**data, "by_batch": self.by_batch}, where)
 
 
 @dataclass
@@ -96,7 +140,14 @@ class Method:
         else:
             data = cfg.model_dump(mode="json") if isinstance(cfg, Settings) else dict(cfg)
         data.setdefault("name", cls.name)
-        return check(cls.Config, data, "method", f"method={cls.name}")
+        settings = check(cls.Config, data, "method", f"method={cls.name}")
+        for b in settings.by_batch or {}:
+            settings.with_entry(b)  # each entry checked once, with the settings it makes
+        for key, value in settings:
+            if isinstance(value, MethodSettings) and value.by_batch is not None:
+                raise BenchError(f"method.{key}.by_batch is read from the run's method only: set method.by_batch="
+                                 f"{{B: {{{key}: {{...}}}}}} instead.")
+        return settings
 
     @classmethod
     def check_pair(cls, settings: MethodSettings, pair) -> None:
@@ -232,8 +283,7 @@ class PromptState:
     """
 
     def __init__(self, method: Method, prompt_ids: torch.Tensor, max_new_tokens: int, sampling: Sampling,
-                 generator: torch.Generator | None, on_tokens: Callable[[int], None], row: int | None = None,
-                 batch_size: int = 1):
+                 generator: torch.Generator | None, on_tokens: Callable[[int], None], row: int | None = None):
         self.method, self.pair = method, method.pair
         self.prompt_ids, self.device = prompt_ids, prompt_ids.device
         self.max_new_tokens, self.sampling, self.generator = max_new_tokens, sampling, generator
@@ -245,7 +295,6 @@ class PromptState:
         self.closing = ExitStack()
         # Row b of a batch (DraftVerify.decode_batch), whose models' batch caches the batch holds; None: a decode alone.
         self.row = row
-        self.batch_size = batch_size  # the prompts decoded together (the run's batch_size): a draft length may follow it
         self.batch_rows: set[str] = set()  # the roles whose batch cache's row this prompt holds
         self.cache = self.own_cache(self.pair.target)  # the target's
         self.caches: list = []
@@ -447,7 +496,7 @@ class DraftVerify(Method):
             for lm in (target, *self.pair.drafts, *self.batch_parts()):  # the batch caches this batch holds
                 if lm.compiled is not None and lm.compiled.cache.rows == rows:
                     stack.callback(lm.release_cache, lm.new_cache(self.name))
-            states = [self.State(self, ids, max_new_tokens, sampling, gen, told, row=b, batch_size=rows)
+            states = [self.State(self, ids, max_new_tokens, sampling, gen, told, row=b)
                       for b, (ids, gen, told) in enumerate(zip(prompts, generators, on_tokens))]
             for state in states:
                 stack.enter_context(state.closing)

@@ -65,29 +65,12 @@ class SD(DraftVerify):
                                "full accept, -1 otherwise)")
         gamma_min: int = Field(1, ge=1, description="adaptive: the smallest gamma")
         gamma_max: int = Field(12, ge=1, description="adaptive: the largest gamma")
-        gamma_by_batch: list[list[int]] | None = Field(
-            None, description="[[B, gamma], ...], B increasing from 1: the gamma at batch size B and above (to the next "
-            "B listed), in place of `gamma`, as vLLM's num_speculative_tokens_per_batch_size (issue 41: the best draft "
-            "length shrinks as the batch grows)")
 
         @model_validator(mode="after")
         def gamma_range(self):
             if self.adaptive and not self.gamma_min <= self.gamma_max:
                 raise ValueError(f"gamma_min ({self.gamma_min}) must not exceed gamma_max ({self.gamma_max}).")
-            table = self.gamma_by_batch
-            if table is not None:
-                sizes = [pair[0] for pair in table if len(pair) == 2]
-                if (not table or any(len(pair) != 2 or min(pair) < 1 for pair in table) or sizes[0] != 1
-                        or sizes != sorted(set(sizes))):
-                    raise ValueError(f"gamma_by_batch lists [batch size, gamma] pairs of integers >= 1, batch sizes "
-                                     f"increasing from 1, e.g. [[1, 5], [4, 3], [8, 2]]; got {table}.")
             return self
-
-        def gamma_at(self, batch_size: int) -> int:
-            """The gamma at ``batch_size``: ``gamma_by_batch``'s for the largest B listed <= it, else ``gamma``."""
-            if self.gamma_by_batch is None:
-                return self.gamma
-            return [g for b, g in self.gamma_by_batch if b <= batch_size][-1]
 
     @classmethod
     def analytic_speedup(cls, alpha: float, gamma: float, c: float) -> float:
@@ -102,7 +85,7 @@ class SD(DraftVerify):
 
     def start(self, state: State):
         state.dcache = yield from state.draft_cache(self.pair.draft)  # the draft reads the prompt too: its cost, counted
-        state.gamma = self.cfg.gamma_at(state.batch_size)
+        state.gamma = self.cfg.gamma
 
     def propose(self, state: State):
         k = min(state.gamma, state.draft_budget)

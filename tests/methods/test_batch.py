@@ -245,22 +245,44 @@ def test_a_method_that_cannot_batch_is_one_sentence_before_any_model_loads(compo
 
 
 def test_a_draft_length_by_batch_size(good_pair, batch_graphs, draft_graphs):
-    """sd's gamma_by_batch (vLLM's num_speculative_tokens_per_batch_size): at B = 3 the gamma listed for 2 and above
-    drafts every step, and each row decodes what sd with that gamma decodes alone; alone, the one listed for 1."""
-    table = [[1, 4], [2, 2], [8, 1]]
+    """method.by_batch (vLLM's num_speculative_tokens_per_batch_size, for any setting): at B = 3 the entry for 2 and
+    above drafts every step, and each row decodes what sd with that gamma decodes alone; at B = 1, the base gamma."""
+    table = {2: {"gamma": 2}, 8: {"gamma": 1}}
+    settings = get_method("sd").check_settings({"gamma": 4, "by_batch": table})
+    assert [settings.at_batch(b).gamma for b in (1, 2, 3, 7, 8, 64)] == [4, 2, 2, 2, 1, 1]
     pair = batched(good_pair, batch_graphs, draft_graphs)
-    method = build(pair, "sd", gamma_by_batch=table)
+    method = get_method("sd")(settings.at_batch(3), pair)
+    method.setup()
     rows = prompts(good_pair)
     with batch_graphs.eagerly():
         got = decode_batch(method, rows, 16)
     for ids, out in zip(rows, got):
         assert max(out.drafted) == 2
         assert out.output_ids == run(build(good_pair, "sd", gamma=2), ids, 16).output_ids
-    assert max(run(build(good_pair, "sd", gamma_by_batch=table), rows[0], 16).drafted) == 4
+    assert max(run(build(good_pair, "sd", by_batch=table), rows[0], 16).drafted) == 4
 
 
-@pytest.mark.parametrize("table", [[], [[]], [[2, 3]], [[1, 3], [1, 2]], [[1, 3], [4, 0]], [[1, 3, 4]],
-                                   [[1, 3], [8, 2], [4, 1]]])
-def test_a_bad_draft_length_table_is_one_sentence(table):
-    with pytest.raises(BenchError, match="gamma_by_batch lists"):
-        get_method("sd").check_settings({"gamma_by_batch": table})
+def test_a_run_reads_its_settings_at_its_batch_size(compose_cfg, good_pair):
+    """The command line's by_batch, composed by Hydra, reaches the run's method as the entry for the run's B says (its
+    records dump these settings); a nested method's own by_batch is refused (only the run's method is read)."""
+    from bench.runner import build_methods, method_cfgs
+    from bench.validate import validate
+
+    cfg = validate(compose_cfg("pair=tiny", "method=sd", "batch_size=4", "method.by_batch={2:{gamma:3},8:{gamma:1}}"))
+    assert cfg.method.gamma == 4
+    built = build_methods(cfg, method_cfgs(cfg), good_pair)["sd"]
+    assert built.cfg.gamma == 3 and built.cfg.by_batch == {2: {"gamma": 3}, 8: {"gamma": 1}}
+    with pytest.raises(BenchError, match=r"method.medusa.by_batch is read from the run's method only"):
+        validate(compose_cfg("pair=tiny", "method=koala", "method.medusa.by_batch={2:{top_k:2}}"))
+
+
+@pytest.mark.parametrize("table, says", [
+    ({0: {"gamma": 2}}, "by_batch's keys are batch sizes, integers >= 1"),
+    ({2: {"gamma": 0}}, r"method.by_batch.2.gamma=0 is not allowed"),
+    ({2: {"gama": 2}}, r"unknown key method.by_batch.2.gama"),
+    ({2: {"by_batch": {}}}, r"method.by_batch.2 must map settings of sd"),
+    ({2: {"adaptive": True, "gamma_min": 5, "gamma_max": 2}}, r"method.by_batch.2: gamma_min \(5\) must not exceed"),
+])
+def test_a_bad_settings_by_batch_table_is_one_sentence(table, says):
+    with pytest.raises(BenchError, match=says):
+        get_method("sd").check_settings({"by_batch": table})
