@@ -168,7 +168,8 @@ def batch_models(cfg: DictConfig, pair: Pair, prompts: list[list[int]], methods:
     """``batch_size`` > 1: the target's forwards over a static cache of ``batch_size`` rows, one length per row (a
     ``DynamicCache`` cannot hold rows of different lengths), and those of each draft model that a method batching its
     drafting runs (``DraftVerify.batched_drafting``; its first ``drafts``) and the methods' own models whose forwards
-    they yield (``Method.batch_parts``: EAGLE's draft layer); compiled per bucket with ``compile``
+    they yield (``Method.batch_parts``: EAGLE's draft layer, GliDe's draft, which reads the target's batch cache too);
+    compiled per bucket with ``compile``
     (warmed before any clock), else the same code run eagerly; each checked against the eager model row by row
     either way. A method that does not batch its drafting drafts eagerly, one cache per row (docs/batching.md).
     ``{role: batch forwards}``."""
@@ -177,8 +178,10 @@ def batch_models(cfg: DictConfig, pair: Pair, prompts: list[list[int]], methods:
     batched_drafts = max((m.drafts for m in methods if getattr(m, "batched_drafting", False)), default=0)
     models = {}
     for lm in (pair.target, *pair.drafts[:batched_drafts], *(part for m in methods for part in m.batch_parts())):
+        # GliDe's draft attends to the target's cache too: its batch forwards read the target's batch cache.
+        reads = models["target"].cache if getattr(lm.module, "read_layers", None) is not None else None
         graphs = CompiledLM(lm.module, longest, tuple(cfg.compile_buckets), role=lm.role,
-                            rows=int(cfg.batch_size), compiled=bool(cfg.compile))
+                            rows=int(cfg.batch_size), compiled=bool(cfg.compile), reads=reads)
         log.info("the %s's batch forwards: %d rows%s", lm.role, graphs.cache.rows,
                  f", compiled for {len(graphs.buckets)} row buckets (untimed)" if cfg.compile else ", eager")
         graphs.warm()

@@ -1,7 +1,8 @@
 """A causal LM's forwards compiled for a few fixed shapes (``compile=true``): issue 40, docs/design/static-verification.md.
 
 The target's, and each draft model's a method decodes with (``sd``, ``cascade``, ``spechub``, ``gsd``, ``sprinter``;
-in a batch also EAGLE's draft layer): one :class:`CompiledLM` per model.
+in a batch also EAGLE's draft layer and GliDe's draft, which reads the target's batch cache too): one
+:class:`CompiledLM` per model.
 
 Why: what a speculative method gains depends on what a k-token verification forward costs against a one-token step,
 and an eager forward's cost is set by its kernels' quirks (BLAS blocking on the CPU, kernel launches on a GPU), not by
@@ -175,6 +176,7 @@ class RowForward:
     sees: torch.Tensor
     keep: torch.Tensor
     swap: tuple[torch.Tensor, torch.Tensor] | None = None
+    cross_seen: torch.Tensor | None = None  # (n, m) bool: the other model's cached slots 0 .. m-1 each row sees
 
 
 class CompiledLM:
@@ -186,11 +188,14 @@ class CompiledLM:
     (prompt plus budget); ``role``: the model's role in the pair (``target``, ``draft``...), for the sentences;
     ``rows``: the sequences its cache holds (1: :meth:`__call__` reads one; more: a batch, :meth:`forward_rows`
     reads them all in one forward, issue 41); ``compiled``: False runs the same code uncompiled, always (a batch's
-    eager forwards: a ``DynamicCache`` cannot hold rows of different lengths).
+    eager forwards: a ``DynamicCache`` cannot hold rows of different lengths); ``reads``: for a module that also
+    attends to another model's cache (GliDe's draft: ``module.read_layers``, the target's layers its blocks read),
+    that model's cache of as many rows, whose keys and values of those layers every forward takes as inputs, each query
+    row seeing the slots its forward's ``cross_seen`` marks.
     """
 
     def __init__(self, module, max_len: int, buckets: tuple[int, ...] = BUCKETS, role: str = "target", rows: int = 1,
-                 compiled: bool = True):
+                 compiled: bool = True, reads: RowCache | None = None):
         if not buckets or min(buckets) < 1:
             raise BenchError(f"compile_buckets must be row counts >= 1, got {list(buckets)}.")
         self.module, self.role = module, role
@@ -230,29 +235,39 @@ class CompiledLM:
         self.compiles = compiled  # False: a batch's eager forwards, never compiled
         self.eager = not compiled  # every forward runs the graphs' code uncompiled (also inside eagerly())
         self.layer_inputs_of: list[tuple] = []  # per row of the last batch forward, as layer_inputs for one sequence
+        # The other model's keys and values its forwards read (keys, values per read layer, (rows, n_kv, M, d) each: the
+        # whole allocation, fixed addresses), and M; none for a module that reads its own cache only.
+        layers = getattr(module, "read_layers", None)
+        if (layers is None) != (reads is None) or (reads is not None and reads.rows != rows):
+            raise ValueError(f"the {role}'s forwards read another model's cache of {rows} rows exactly when its module "
+                             "names the layers it reads (read_layers)")
+        self.cross_kv = tuple(t for i in layers for t in (reads.layers[i].keys, reads.layers[i].values)) if reads else ()
+        self.cross_len = reads.max_len if reads is not None else 0
 
     # ------------------------------------------------------------------------------------------- the graph
 
     def _hidden(self, ids: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor, swapped: torch.Tensor,
-                fill: torch.Tensor) -> torch.Tensor:
+                fill: torch.Tensor, cross: tuple | None = None) -> torch.Tensor:
         """``hidden (rows, Q, hidden)``: the decoder's last hidden states for ``ids (rows, Q)`` read after each row's
         cached positions, row i of each at position ``length + depth[i]``, seeing the cache slots ``visible (rows, Q,
         max_len)`` marks (the new rows are written at slots ``length .. length + Q - 1`` first); where ``swapped (rows,
-        Q)`` is set the token's embedding is ``fill (rows, Q, hidden)`` instead."""
+        Q)`` is set the token's embedding is ``fill (rows, Q, hidden)`` instead; ``cross``: :meth:`_cross`'s, the other
+        model's keys and values the decoder also reads (None: none)."""
         self.cache.attend = visible.shape[-1]  # the slots the cache's layers hand attention (CompiledLM.attended)
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=ids.device)
         mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]  # (rows, 1, Q, L), additive
         embeds = with_swapped(self.embed(ids), swapped, fill)
-        return lm_forward(self.decoder, None, self.cache, inputs_embeds=embeds,
-                          position_ids=self.cache.forward_lengths[:, None] + depth, attention_mask=mask).last_hidden_state
+        other = {} if cross is None else {"cross": (list(zip(cross[0][0::2], cross[0][1::2])), cross[1])}
+        return lm_forward(self.decoder, None, self.cache, inputs_embeds=embeds, attention_mask=mask,
+                          position_ids=self.cache.forward_lengths[:, None] + depth, **other).last_hidden_state
 
     def _scored(self, ids: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor, swapped: torch.Tensor,
-                fill: torch.Tensor) -> tuple:
+                fill: torch.Tensor, cross: tuple | None = None) -> tuple:
         """What a bucket's graph computes: :meth:`_hidden`'s states, the output head on every row, ``(rows, Q,
         vocab)``, and each decoder layer's input ``(rows, Q, hidden)``, bottom to top. The head is in the graph so that
         freezing packs it too: it is a fifth of SmolLM2-135M's weights, and run eagerly on k rows it paid the eager
         kernels' jump at 4 rows that the graph avoids."""
-        hidden = self._hidden(ids, depth, visible, swapped, fill)
+        hidden = self._hidden(ids, depth, visible, swapped, fill, cross)
         return hidden, self.head(hidden), self.recorder.take()
 
     def _visible(self, b: int, n: int, width: int, seen: torch.Tensor | None, sees: torch.Tensor) -> torch.Tensor:
@@ -302,6 +317,22 @@ class CompiledLM:
             fill[i, :len(marks)] = vectors.to(self.device, self.dtype)
         return swapped, fill
 
+    def _cross(self, rows: list[RowForward | None], at, width: int) -> tuple | None:
+        """What a forward of ``rows`` on the cache rows ``at`` reads of the other model's cache: ``(keys and values
+        (len(at), n_kv, M, d) per read layer, visible (len(at), width, M) bool)``, each query row seeing the slots its
+        forward's ``cross_seen`` marks (a padding row none: the draft's cross-attention gives it zeros); None for a
+        module that reads its own cache only."""
+        if not self.cross_kv:
+            return None
+        visible = torch.zeros(len(rows), width, self.cross_len, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            if r is not None and r.cross_seen is not None:
+                n, m = r.cross_seen.shape
+                visible[i, :n, :m] = r.cross_seen
+        alone = len(at) < self.cache.rows
+        kv = tuple(t[at[0]:at[0] + 1] for t in self.cross_kv) if alone else self.cross_kv
+        return kv, visible.to(self.device)
+
     def _run(self, rows: list[RowForward | None]) -> list[tuple | None]:
         """One forward over every row of the cache: row b's ``rows[b]`` (None: an idle row, all padding), each padded
         to the bucket of the longest (its padding rows see its cached slots and themselves). Per row, ``(hidden (n,
@@ -345,6 +376,7 @@ class CompiledLM:
         attend = self.attended(q, width, lengths)
         visible_t = torch.stack(visible)[..., :attend].to(self.device)
         swapped, fill = self._swapped(rows, width)
+        cross = self._cross(rows, at, width)
         self.cache.lengths_t.copy_(torch.tensor(self.cache.lengths), non_blocking=True)
         self.ran = [(past, n, width, width if q is not None else (len(r.keep) if r else 0), q is not None, attend)
                     for past, r, n in zip(lengths, rows, sizes)]
@@ -352,7 +384,7 @@ class CompiledLM:
         self.cache.window = slice(at[0], at[0] + 1) if alone else None
         try:
             if q is None:  # uncompiled: the head on the kept rows only, of every row at once (its weights read once)
-                hidden = self._hidden(ids_t, depth_t, visible_t, swapped, fill)
+                hidden = self._hidden(ids_t, depth_t, visible_t, swapped, fill, cross)
                 kept = [hidden[i, r.keep] for i, r in enumerate(rows) if r is not None]
                 scored = iter(self.head(torch.cat(kept)).split([len(k) for k in kept]))
                 logits = [next(scored) if r is not None else None for r in rows]
@@ -360,7 +392,7 @@ class CompiledLM:
             else:
                 if self.options["cuda_graphs"]:
                     torch.compiler.cudagraph_mark_step_begin()
-                hidden, all_logits, inputs = self.graph(ids_t, depth_t, visible_t, swapped, fill)
+                hidden, all_logits, inputs = self.graph(ids_t, depth_t, visible_t, swapped, fill, cross)
                 logits = [all_logits[i, r.keep] if r is not None else None for i, r in enumerate(rows)]
                 if self.options["cuda_graphs"]:
                     hidden = hidden.clone()  # a replay overwrites its output buffers
@@ -380,23 +412,24 @@ class CompiledLM:
         return out
 
     def _row_forward(self, b: int, input_ids: list[int], attention_mask, position_ids, logits_to_keep,
-                     swap=None) -> RowForward:
+                     swap=None, cross_seen=None) -> RowForward:
         """Row ``b``'s part of a forward, from what ``lm_forward`` takes for one sequence: ``input_ids`` (n tokens),
         ``attention_mask`` None (causal) or the harness's ``(1, 1, n, past + n)`` additive tree mask, ``position_ids``
-        None or ``(1, n)``, ``logits_to_keep`` 0 (all), k (the last k) or a 1-D tensor of rows; ``swap``:
-        :attr:`RowForward.swap`."""
+        None or ``(1, n)``, ``logits_to_keep`` 0 (all), k (the last k) or a 1-D tensor of rows; ``swap``, ``cross_seen``:
+        :class:`RowForward`'s."""
         n, past = len(input_ids), self.cache.lengths[b]
         if isinstance(logits_to_keep, torch.Tensor):
             keep = logits_to_keep.to(self.device)
         else:
             keep = torch.arange(n - logits_to_keep if logits_to_keep else 0, n, device=self.device)
         if attention_mask is None and position_ids is None:  # causal
-            return RowForward(input_ids, list(range(n)), None, torch.ones(n, n, dtype=torch.bool).tril(), keep, swap)
+            return RowForward(input_ids, list(range(n)), None, torch.ones(n, n, dtype=torch.bool).tril(), keep, swap,
+                              cross_seen)
         if attention_mask is None or position_ids is None:
             raise ValueError("a tree forward gives both attention_mask and position_ids")
         visible = (attention_mask[0, 0] == 0).cpu()
         seen = None if bool(visible[:, :past].all()) else visible[:, :past]
-        return RowForward(input_ids, (position_ids[0] - past).tolist(), seen, visible[:, past:], keep, swap)
+        return RowForward(input_ids, (position_ids[0] - past).tolist(), seen, visible[:, past:], keep, swap, cross_seen)
 
     # ------------------------------------------------------------------------------------------- the forward
 
@@ -438,7 +471,7 @@ class CompiledLM:
             if ids.shape[0] != 1:
                 raise ValueError(f"row {b} of a batch forward is one sequence, got {ids.shape[0]}")
             parts.append(self._row_forward(b, ids[0].tolist(), row.get("attention_mask"), row.get("position_ids"),
-                                           row.get("logits_to_keep", 0), row.get("swap")))
+                                           row.get("logits_to_keep", 0), row.get("swap"), row.get("cross_seen")))
         self.layer_inputs = ()
         outs, self.layer_inputs_of = [], []
         for row, result in zip(rows, self._run(parts)):
@@ -546,27 +579,38 @@ class CompiledLM:
             vectors = torch.randn(length, self.embed.embedding_dim, generator=torch.Generator().manual_seed(0))
             vectors = vectors.to(self.device, self.dtype)
         seqs = [ids[:, :context + b + new] for b in range(rows)]
+        # A module that reads another model's cache too (GliDe's draft) reads its row b's first `seen[b]` slots, as they
+        # are (what that model's own check left there).
+        seen = [min(context + b, self.cross_len) for b in range(rows)]
 
-        def request(s: torch.Tensor) -> dict:
-            return fed(vectors[s[0]]) if fed_vectors else {"input_ids": s}
+        def request(s: torch.Tensor, b: int) -> dict:
+            out = fed(vectors[s[0]]) if fed_vectors else {"input_ids": s}
+            return {**out, "cross_seen": torch.ones(s.shape[1], seen[b], dtype=torch.bool)} if self.cross_kv else out
 
-        def eager(s: torch.Tensor) -> torch.Tensor:  # (n, vocab): the eager model's logits for s read whole, no cache
+        def eager(s: torch.Tensor, b: int) -> torch.Tensor:  # (n, vocab): the eager model's logits for s read whole, no cache
             if not fed_vectors:
                 return lm_forward(self.module, s).logits[0].float()
-            return self.head(lm_forward(self.decoder, None, inputs_embeds=vectors[s[0]][None]).last_hidden_state)[0].float()
+            other = {}
+            if self.cross_kv:
+                visible = torch.zeros(1, s.shape[1], self.cross_len, dtype=torch.bool, device=self.device)
+                visible[..., :seen[b]] = True
+                kv = [t[b:b + 1] for t in self.cross_kv]
+                other = {"cross": (list(zip(kv[0::2], kv[1::2])), visible)}
+            hidden = lm_forward(self.decoder, None, inputs_embeds=vectors[s[0]][None], **other).last_hidden_state
+            return self.head(hidden)[0].float()
 
         with torch.inference_mode(), no_recompiles():
             self.new_cache(f"the compiled {self.role}'s check")
             try:
                 got = [[] for _ in range(rows)]
                 for part in (lambda s: s[:, :-new], lambda s: s[:, -new:], lambda s: s[:, :1]):  # a step after them
-                    for b, out in enumerate(self.forward_rows([request(part(s)) for s in seqs])):
+                    for b, out in enumerate(self.forward_rows([request(part(s), b) for b, s in enumerate(seqs)])):
                         got[b].append(out.logits[0].float())
             finally:
                 self.release()
             for b, s in enumerate(seqs):
-                whole, alone = eager(s), eager(s[:, -new:])
-                ref_step = eager(torch.cat([s, s[:, :1]], 1))[-1:]
+                whole, alone = eager(s, b), eager(s[:, -new:], b)
+                ref_step = eager(torch.cat([s, s[:, :1]], 1), b)[-1:]
                 self._compare(torch.cat(got[b]), torch.cat([whole, ref_step]), alone, whole[-new:], b)
 
     def _compare(self, got: torch.Tensor, ref: torch.Tensor, alone: torch.Tensor, after: torch.Tensor, b: int) -> None:

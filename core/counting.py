@@ -86,6 +86,10 @@ class CountedLM(Counted):
     holding the earlier positions (it is extended in place).
     """
 
+    # FLOPs per query row and per key of another model's cache its forwards attend to besides their own (GliDe's draft
+    # reads the target's: 4 x its cross-attention's width, scores and weighted sum); 0: its own cache only.
+    cross_flops_per_key: float = 0.0
+
     def __init__(self, module: nn.Module, role: str):
         super().__init__(module, role, getattr(module, "config", None))
         self.config = getattr(module, "config", None)
@@ -153,11 +157,14 @@ class CountedLM(Counted):
         return outs, shares
 
     def _count_row(self, row: dict | None, past: int, ran: tuple, kept: int | None) -> None:
-        """Row ``row``'s forward in a batch (None: an idle row, padding only) after ``past`` cached positions."""
+        """Row ``row``'s forward in a batch (None: an idle row, padding only) after ``past`` cached positions (and,
+        for a model that reads another's cache, the keys of it that the row's ``cross_seen (n, m)`` covers)."""
+        seen = 0
         if row is not None:
             n = row["input_ids"].shape[1]
-            self._count(1, n, past + n, head_rows=kept)
-        self._count_row_padding(ran, kept)
+            seen = row["cross_seen"].shape[-1] if row.get("cross_seen") is not None else 0
+            self._count(1, n, past + n, head_rows=kept, extra_flops=self.cross_flops_per_key * n * seen)
+        self._count_row_padding(ran, kept, seen)
 
     def _count_padding(self, kept: int | None) -> None:
         """What the compiled call just made ran beyond its real rows (``kept``: the real rows whose logits were kept,
@@ -165,8 +172,9 @@ class CountedLM(Counted):
         columns every row attends to (all of them in a compiled graph, up to the longest row's end eagerly)."""
         self._count_row_padding(self.compiled.ran[0], kept)
 
-    def _count_row_padding(self, ran_row: tuple, kept: int | None) -> None:
-        """:meth:`_count_padding` for one row of the last forward: ``ran_row`` is its ``CompiledLM.ran`` entry."""
+    def _count_row_padding(self, ran_row: tuple, kept: int | None, cross_seen: int = 0) -> None:
+        """:meth:`_count_padding` for one row of the last forward: ``ran_row`` is its ``CompiledLM.ran`` entry;
+        ``cross_seen``: the other model's keys its real rows saw, of the ``CompiledLM.cross_len`` every row read."""
         head = 2.0 * self.head_weights
         past, real, ran, head_ran, compiled, attended = ran_row
         # A batch's eager forwards (compiled=False) are never compiled: nothing to count as uncompiled.
@@ -175,6 +183,7 @@ class CountedLM(Counted):
         kept_rows = real if kept is None else kept
         self.padded_flops += (self.formula(ran, attended) - head * (ran - head_ran)) - (
             self.formula(real, past + real) - head * (real - kept_rows))
+        self.padded_flops += self.cross_flops_per_key * (ran * self.compiled.cross_len - real * cross_seen)
 
     def new_cache(self, holder: str):
         """A KV cache for one decode by ``holder`` (a method's name): the compiled forwards' static cache when

@@ -57,11 +57,12 @@ import torch
 from pydantic import Field
 from torch import nn
 from torch.nn.functional import scaled_dot_product_attention
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from core.artifacts import Artifact
-from core.counting import Counted
+from core.counting import CountedLM
 from core.errors import BenchError
-from core.kv_cache import cache_kwargs
+from core.kv_cache import CACHE_ARG, cache_kwargs
 from core.model_parts import body_config, copy_last_layers, decoder_layers
 from decoding.tree import additive_mask
 from training.kit import (
@@ -126,6 +127,12 @@ def decode_visible(positions: torch.Tensor, p: int, block: int) -> torch.Tensor:
     return visible_keys(positions, p, block, (-p) % block)
 
 
+def causal_after(cache, emb: torch.Tensor) -> torch.Tensor:
+    """The additive causal mask ``(1, 1, n, past + n)`` of ``emb (B, n, h)``'s positions after the ``cache``'s."""
+    n, past = emb.shape[1], cache.get_seq_length() if cache is not None else 0
+    return additive_mask(torch.ones(n, n, dtype=torch.bool, device=emb.device).tril(), past, emb.dtype, emb.device)
+
+
 # --------------------------------------------------------------------------------------------- the draft
 
 
@@ -170,7 +177,58 @@ class CrossAttention(nn.Module):
         return out if seen is None else out * seen[..., None].to(out.dtype)
 
 
-class GlideDraft(nn.Module):
+class GlideDecoder(nn.Module):
+    """A GliDe draft called as a transformers decoder, which is how a batch's forwards run it
+    (``core.compiled.CompiledLM``): ``inputs_embeds (B, n, h)`` the tokens' embeddings (swapped in for a one-row
+    table), ``cross``: ``(kvs, visible)``, per block the target's cached keys and values ``(B, n_kv, m, d)`` and which
+    of them each query sees ``(B, n, m)``; the draft's own cache handed as the installed release names it (a batch's
+    ``RowCache``), ``attention_mask`` ``(B, 1, n, past + n)`` and ``position_ids (B, n)`` as there (None: causal after
+    the cache) -> ``last_hidden_state (B, n, h)``, the states the head reads."""
+
+    def __init__(self, draft: nn.Module):
+        super().__init__()
+        self.__dict__["draft"] = draft  # not a submodule: the draft owns this, not the other way round
+
+    def forward(self, input_ids=None, inputs_embeds: torch.Tensor | None = None, attention_mask=None, position_ids=None,
+                use_cache: bool | None = None, cross=None, **kwargs) -> BaseModelOutputWithPast:
+        cache = kwargs.pop(CACHE_ARG, None)
+        if input_ids is not None or inputs_embeds is None or cross is None or kwargs:
+            raise ValueError("GliDe's draft reads inputs_embeds, the target's keys and values (cross) and a cache only")
+        if position_ids is None:
+            past, n = (cache.get_seq_length() if cache is not None else 0), inputs_embeds.shape[1]
+            position_ids = torch.arange(past, past + n, device=inputs_embeds.device)[None]
+        kvs, visible = cross
+        return BaseModelOutputWithPast(last_hidden_state=self.draft(inputs_embeds, position_ids, kvs, visible, cache,
+                                                                    attention_mask))
+
+
+class AsDecoder:
+    """What ``core.compiled.CompiledLM`` reads of a GliDe draft (:class:`GlideDraft`, the authors'
+    ``PublishedGlide``) to run a batch's forwards: its decoder (:class:`GlideDecoder`), a one-row token table of
+    zeros as wide as its states (what padding rows read: a real row's embeddings are swapped in), its head, and
+    ``read_layers``, the target layer each block reads (set by the method)."""
+
+    read_layers: list[int] | None = None
+
+    def get_decoder(self) -> GlideDecoder:
+        if "_decoder" not in self.__dict__:
+            self.__dict__["_decoder"] = GlideDecoder(self)
+        return self.__dict__["_decoder"]
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        weight = self.head.weight
+        table = self.__dict__.get("_padding")
+        if table is None or table.weight.device != weight.device or table.weight.dtype != weight.dtype:
+            table = nn.Embedding(1, weight.shape[1], device=weight.device, dtype=weight.dtype).requires_grad_(False)
+            nn.init.zeros_(table.weight)
+            self.__dict__["_padding"] = table
+        return table
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.head
+
+
+class GlideDraft(AsDecoder, nn.Module):
     """``layers`` GliDe blocks of the target's classes (self-attention, norms and MLP from transformers' model cut
     to that depth, :func:`core.model_parts.body_config`; its rotary and final norm), a :class:`CrossAttention` and
     its norm per block, and the frozen ``head`` (the target's output rows of ``vocab_map``, ``LongTensor (V',)``)."""
@@ -208,17 +266,17 @@ class GlideDraft(nn.Module):
         return draft
 
     def forward(self, emb: torch.Tensor, positions: torch.Tensor, kvs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                visible: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        """``emb (B, n, H)``: the target's input embeddings of n tokens at ``positions (n,)`` (consecutive, right
-        after the ``cache``'s); ``kvs``: per block, the target's cached keys and values ``(B, n_kv, m, d)`` it reads
-        (here every block reads layer L) at positions 0 .. m-1; ``visible`` ``(B or 1, n, m)``: which of them each
-        query sees (``None``: all).
+                visible: torch.Tensor | None = None, cache=None, attention_mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``emb (B, n, H)``: the target's input embeddings of n tokens at ``positions`` (``(n,)``, or ``(B, n)`` one
+        row each; consecutive, right after the ``cache``'s); ``kvs``: per block, the target's cached keys and values
+        ``(B, n_kv, m, d)`` it reads (here every block reads layer L) at positions 0 .. m-1; ``visible``
+        ``(B or 1, n, m)``: which of them each query sees (``None``: all).
         ``cache``: the draft's self-attention KV cache of the earlier positions, extended in place (``None``: the
-        whole sequence at once, as in training). Returns ``(B, n, H)``, the states the head reads."""
-        n = emb.shape[1]
-        cos_sin = self.body.rotary_emb(emb, positions.view(1, n))
-        past = cache.get_seq_length() if cache is not None else 0
-        causal = additive_mask(torch.ones(n, n, dtype=torch.bool, device=emb.device).tril(), past, emb.dtype, emb.device)
+        whole sequence at once, as in training); ``attention_mask``: its additive mask ``(B or 1, 1, n, past + n)``
+        (``None``: causal after the cache's length). Returns ``(B, n, H)``, the states the head reads."""
+        cos_sin = self.body.rotary_emb(emb, positions.reshape(-1, emb.shape[1]))
+        causal = attention_mask if attention_mask is not None else causal_after(cache, emb)
         h = emb
         for block, norm, cross, (k, v) in zip(self.body.layers, self.cross_norm, self.cross, kvs, strict=True):
             h = h + block.self_attn(block.input_layernorm(h), position_embeddings=cos_sin, attention_mask=causal,
@@ -228,22 +286,23 @@ class GlideDraft(nn.Module):
         return self.body.norm(h)
 
 
-class CountedGlide(Counted):
+class CountedGlide(CountedLM):
     """The ``glide`` role: ``draft(emb, positions, kvs, visible, cache, rows)`` returns the head's logits
     ``(B, rows, V')`` of the last ``rows`` positions (a :class:`GlideDraft` or the authors' published draft,
     :class:`methods.glide._published.PublishedGlide`). Counted as :mod:`core.flops` counts a model (the blocks'
     and the cross-attention's weights, self-attention over the draft's cache), plus the cross-attention's
     scores and weighted sum over the target's m keys (4 FLOPs per query, key and the target's attention width,
-    per block), the head on ``rows`` positions only."""
+    per block), the head on ``rows`` positions only. In a batch its forwards run as a causal LM's on its batch cache
+    (:meth:`CountedLM.forward_rows`), each row's embeddings swapped in and its view of the target's cache given as
+    ``cross_seen``."""
 
     def __init__(self, draft: nn.Module):
-        super().__init__(draft, "glide", draft.config)
-        self.head_weights = draft.head.weight.numel()
-        self.cross_width = sum(c.heads * c.head_dim for c in draft.cross)  # summed over the blocks
+        super().__init__(draft, "glide")  # its head's weights: CountedLM reads them from get_output_embeddings
+        self.cross_flops_per_key = 4.0 * sum(c.heads * c.head_dim for c in draft.cross)  # summed over the blocks
 
     def __call__(self, emb, positions, kvs, visible, cache, rows: int = 1):
         n = emb.shape[1]
-        cross = 4.0 * self.cross_width * n * kvs[0][0].shape[-2]  # scores and sum over the target's m keys
+        cross = self.cross_flops_per_key * n * kvs[0][0].shape[-2]  # scores and sum over the target's m keys
         self._count(1, n, cache.get_seq_length() + n, head_rows=rows, extra_flops=cross)
         out = self.module(emb, positions, kvs, visible, cache)
         return self.module.head(out[:, n - rows :])

@@ -44,8 +44,7 @@ from core.checkpoints import Checkpoint, load_converted, locate
 from core.errors import BenchError
 from core.kv_cache import cache_kwargs
 from core.model_parts import decoder_layers
-from decoding.tree import additive_mask
-from methods.glide._draft import CrossAttention
+from methods.glide._draft import AsDecoder, CrossAttention, causal_after
 
 FILES = ("pytorch_model.bin", "model.safetensors")
 WHAT = "GliDe draft"
@@ -75,7 +74,7 @@ def read_layers(n_target: int, n_draft: int) -> list[int]:
     return [min(n_target - n_draft + i, n_target - 1) for i in range(n_draft)]
 
 
-class PublishedGlide(nn.Module):
+class PublishedGlide(AsDecoder, nn.Module):
     """The authors' GliDe draft: ``body`` (a Llama of the draft's ``config``: own embedding, self-attention, MLP,
     norms, rotary), one :class:`CrossAttention` per block into the target's attention width (rotated by the
     target's rotary, ``target_rotary``), ``head (V, h)``; ``vocab_map``: the whole vocabulary."""
@@ -98,16 +97,14 @@ class PublishedGlide(nn.Module):
         return self.body.embed_tokens
 
     def forward(self, emb: torch.Tensor, positions: torch.Tensor, kvs, visible: torch.Tensor | None = None,
-                cache=None) -> torch.Tensor:
+                cache=None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """As :meth:`methods.glide._draft.GlideDraft.forward`: ``emb (B, n, h)`` the draft's own embeddings of n
-        tokens at ``positions (n,)`` right after the ``cache``'s; ``kvs``: per block, the target's cached keys and
-        values ``(B, n_kv, m, d)`` of the layer it reads (:func:`read_layers`). Returns ``(B, n, h)``."""
-        n = emb.shape[1]
-        own = self.body.rotary_emb(emb, positions.view(1, n))
-        theirs = self.target_rotary(emb, positions.view(1, n))
-        past = cache.get_seq_length() if cache is not None else 0
-        lower = torch.ones(n, n, dtype=torch.bool, device=emb.device).tril()
-        causal = additive_mask(lower, past, emb.dtype, emb.device)
+        tokens at ``positions`` (``(n,)`` or ``(B, n)``) right after the ``cache``'s; ``kvs``: per block, the target's
+        cached keys and values ``(B, n_kv, m, d)`` of the layer it reads (:func:`read_layers`). Returns ``(B, n, h)``."""
+        positions = positions.reshape(-1, emb.shape[1])
+        own = self.body.rotary_emb(emb, positions)
+        theirs = self.target_rotary(emb, positions)
+        causal = attention_mask if attention_mask is not None else causal_after(cache, emb)
         h = emb
         for block, cross, (k, v) in zip(self.body.layers, self.cross, kvs, strict=True):
             h = h + block.self_attn(block.input_layernorm(h), position_embeddings=own, attention_mask=causal,

@@ -39,6 +39,8 @@ from transformers import DynamicCache
 
 from core.errors import BenchError
 from core.model_parts import LEARNED_POSITIONS, decoder_layers, target_family
+from core.static_cache import RowView
+from core.swapped_embeddings import fed
 from decoding.cache import truncate_cache
 from decoding.sampling import draft_token
 from decoding.tree import Tree
@@ -99,6 +101,7 @@ class GlideSettings(MethodSettings):
 class Glide(DraftVerify):
     lossless = True  # every candidate is verified by the target: greedy output equals ar's
     hidden = False  # the draft reads the target's KV cache, not its hidden states
+    batched_drafting = True  # its draft's forwards are yielded (read): one per step for a batch
     Config = GlideSettings
 
     def __init__(self, cfg, pair):
@@ -144,17 +147,21 @@ class Glide(DraftVerify):
                 lambda: load_or_train(glide_artifact(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher),
                                       self.pair.teacher.cache, train_if_missing))
             self.layers = [layer] * len(draft.cross)  # every block reads layer L
+        draft.read_layers = self.layers  # what a batch's forwards hand it of the target's cache (core.compiled)
         self.draft = self.pair.add(CountedGlide(draft.to(device=self.pair.device, dtype=self.pair.dtype)))
         # The authors' draft embeds tokens with its own table; the harness's reads the target's embeddings.
         self.embed = self.draft.module.embed_tokens if self.published else target.get_input_embeddings()
         self.vocab_map = self.draft.module.vocab_map
+
+    def batch_parts(self) -> list:
+        return [self.draft]
 
     # ------------------------------------------------------------------------------------------- the loop
 
     class State(PromptState):
         """One prompt's drafting: the draft's KV cache, this step's top-1 chain, and per-step tallies for ``extra``."""
 
-        dcache: DynamicCache  # the draft's own: one entry per position it has read
+        dcache: DynamicCache | RowView  # the draft's own (in a batch, its row of the batch cache): a position per token read
         past: int  # this step's pending position
         chain_nodes: list[int]  # this step's tree nodes of the top-1 chain, the pending token's (0) first
         candidates: list[int]  # tokens proposed per step, the pending one not counted
@@ -163,27 +170,34 @@ class Glide(DraftVerify):
     def start(self, state: State) -> None:
         # setup() loads the trained part before the timed decode; never lazily inside it.
         assert self.draft is not None, "call setup() before decode()"
-        state.dcache = DynamicCache()
+        state.dcache = state.own_cache(self.draft)
         state.track(state.dcache)
         state.past, state.chain_nodes = 0, [0]
         state.candidates = []
         state.expanded = []
 
-    def read(self, state: State, tokens: list[int]) -> torch.Tensor:
+    def read(self, state: State, tokens: list[int]):
         """Feed the draft ``tokens`` at the positions after its cache's, glimpsing the target's cache of the
-        committed positions < p; returns the logits ``(V',)`` of the token after the last."""
+        committed positions < p; returns the logits ``(V',)`` of the token after the last. A generator of that forward:
+        in a batch it is yielded as a causal LM's (the embeddings swapped in, the target's cache seen as ``cross_seen``
+        says), and the rows' run as one."""
         p = state.cache.get_seq_length()
-        # The committed positions only: a static cache (compile=true) holds more slots than it has filled.
-        kvs = [(state.cache.layers[i].keys[..., :p, :], state.cache.layers[i].values[..., :p, :]) for i in self.layers]
         start = state.dcache.get_seq_length()
         positions = torch.arange(start, start + len(tokens), device=state.device)
         # Tokens read late (the prompt, a fully accepted draft's last token) see the target as training showed
         # them; the pending token and the drafted ones see all of the cache (None: no mask to build). The
         # authors' draft sees all of it whatever it reads, as their inference does.
         late = start < p and not self.published
-        visible = decode_visible(positions, p, self.cfg.recipe.block)[None] if late else None
+        visible = decode_visible(positions, p, self.cfg.recipe.block) if late else None  # (n, p)
         emb = self.embed(torch.tensor([tokens], device=state.device))
-        return self.draft(emb, positions, kvs, visible, state.dcache, rows=1)[0, -1]
+        if isinstance(state.dcache, RowView):
+            seen = visible if visible is not None else torch.ones(len(tokens), p, dtype=torch.bool)
+            out = yield {"lm": self.draft, "cache": state.dcache, "logits_to_keep": 1, "cross_seen": seen.cpu(),
+                         **fed(emb[0])}
+            return out.logits[0, -1]
+        # The committed positions only: a static cache (compile=true) holds more slots than it has filled.
+        kvs = [(state.cache.layers[i].keys[..., :p, :], state.cache.layers[i].values[..., :p, :]) for i in self.layers]
+        return self.draft(emb, positions, kvs, visible if visible is None else visible[None], state.dcache, rows=1)[0, -1]
 
     def propose(self, state: State) -> Proposal:
         k = min(self.cfg.gamma, state.draft_budget)
@@ -191,8 +205,8 @@ class Glide(DraftVerify):
         if k <= 0:
             return Proposal(Tree(state.seq[-1]))
         # The committed tokens the draft has not read (after a fully accepted draft: its last), then the pending one.
-        logits = self.read(state, state.seq[state.dcache.get_seq_length() :])
-        proposal = self.cape(state, logits, k) if self.cfg.cape else self.chain(state, logits, k)
+        logits = yield from self.read(state, state.seq[state.dcache.get_seq_length() :])
+        proposal = yield from (self.cape(state, logits, k) if self.cfg.cape else self.chain(state, logits, k))
         state.candidates.append(len(proposal.tree) - 1)
         return proposal
 
@@ -216,9 +230,10 @@ class Glide(DraftVerify):
 
     # ------------------------------------------------------------------------------------------- drafting
 
-    def chain(self, state: State, logits: torch.Tensor, k: int) -> Proposal:
+    def chain(self, state: State, logits: torch.Tensor, k: int):
         """``k`` tokens, one draft forward each after the first: greedy, or sampled from the draft's distribution
-        (``q`` then holds it over the full vocabulary, zero outside the draft's)."""
+        (``q`` then holds it over the full vocabulary, zero outside the draft's). A generator of those forwards
+        (:meth:`read`), returning the :class:`Proposal`."""
         tokens, qs = [], []
         vocab = self.pair.target.module.config.vocab_size
         for i in range(k):
@@ -226,7 +241,7 @@ class Glide(DraftVerify):
             tokens.append(int(token))
             qs += [q] if q is not None else []
             if i + 1 < k:
-                logits = self.read(state, tokens[-1:])
+                logits = yield from self.read(state, tokens[-1:])
         state.chain_nodes = list(range(k + 1))  # a chain's nodes are its positions
         return Proposal.chain(state.seq[-1], tokens, torch.stack(qs) if qs else None)
 
@@ -236,10 +251,10 @@ class Glide(DraftVerify):
             return self.cfg.cape_bins[min(int(confidence * 10), 10)]
         return 1 + self.cfg.cape_k if confidence < self.cfg.cape_threshold else 1
 
-    def cape(self, state: State, logits: torch.Tensor, k: int) -> Proposal:
+    def cape(self, state: State, logits: torch.Tensor, k: int):
         """CaPE: the draft's top-1 chain of ``k`` tokens, and at each of its positions the draft's next-best tokens
         as siblings of that chain token, as many as :meth:`width` says for its confidence (deterministic candidates:
-        q = None)."""
+        q = None). A generator of the draft's forwards (:meth:`read`), returning the :class:`Proposal`."""
         tree, node, expanded = Tree(state.seq[-1]), 0, 0
         for i in range(k):
             probs = torch.softmax(logits.float(), -1)
@@ -252,6 +267,6 @@ class Glide(DraftVerify):
             node = child
             state.chain_nodes.append(child)
             if i + 1 < k:
-                logits = self.read(state, ids[:1])
+                logits = yield from self.read(state, ids[:1])
         state.expanded.append(expanded)
         return Proposal(tree)

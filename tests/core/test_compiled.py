@@ -138,9 +138,9 @@ class ForgetfulTarget(CompiledLM):
     """A compiled target whose graph reads its new rows without the cache: what a model that swallows the cache
     keyword, or a stale frozen graph, would compute."""
 
-    def _hidden(self, ids, depth, visible, swapped, fill):
+    def _hidden(self, ids, depth, visible, swapped, fill, cross=None):
         self.cache.lengths_t.zero_()
-        return super()._hidden(ids, depth, visible, swapped, fill)
+        return super()._hidden(ids, depth, visible, swapped, fill, cross)
 
 
 def test_a_compiled_lm_that_ignores_its_cache_is_refused(tiny_pair):

@@ -143,8 +143,8 @@ DRAFT_MODELS_BATCHED = [m for m in BATCHED_DRAFTING if get_method(m).drafts or m
 
 
 def test_the_methods_that_batch_their_drafting():
-    assert BATCHED_DRAFTING == ["cascade", "eagle", "eagle3", "gsd", "hydra", "hydra_pp", "medusa", "sd", "spechub",
-                                "sprinter", "swift"]  # docs/batching.md lists them
+    assert BATCHED_DRAFTING == ["cascade", "eagle", "eagle3", "glide", "gsd", "hydra", "hydra_pp", "medusa", "sd",
+                                "spechub", "sprinter", "swift"]  # docs/batching.md lists them
 
 
 @pytest.mark.parametrize("name,settings", [("sd", {"gamma": 4}), ("sd", {"gamma": 3, "confidence": 0.5}),
@@ -189,6 +189,49 @@ def test_a_batch_runs_every_rows_eagle_draft_in_one_forward(good_pair, batch_gra
     assert forwards[0] == BATCH and len(forwards) < sum(c["calls"] for c in per_row)  # the rows' forwards share forwards
     assert draft.stats()["calls"] == sum(c["calls"] for c in per_row)
     assert draft.stats()["flops"] == pytest.approx(sum(c["flops"] for c in per_row))  # EAGLE-3's fc: counted to its row
+
+
+@pytest.mark.parametrize("settings", [{}, {"cape": False}, {"cape_bins": [3] * 5 + [2] * 6}])
+def test_a_batch_runs_every_rows_glide_draft_in_one_forward(good_pair, batch_graphs, settings):
+    """GliDe's draft on a batch cache of its own, reading the target's batch cache (each row up to its own committed
+    length, the late-read positions under training's block rule): every drafting step of every row runs as one
+    forward (CaPE's chains, its expanded trees of different sizes per row, plain chains), each row decodes what it
+    decodes alone, and the draft's FLOPs (its cross-attention over each row's target keys too) counted to the rows sum
+    to the role's."""
+    pair = batched(good_pair, batch_graphs)
+    method, alone = build(pair, "glide", **settings), build(good_pair, "glide", **settings)
+    [draft] = method.batch_parts()
+    draft.compiled = CompiledLM(draft.module, max_len=1024, buckets=(1, 4, 16), role=draft.role, rows=BATCH,
+                                compiled=False, reads=batch_graphs.cache)
+    draft.compiled.check()
+    got, forwards = decode_counting_rows(method, alone, draft, batch_graphs, prompts(good_pair))
+    per_row = [out.counts[draft.role] for out in got]
+    assert forwards[0] == BATCH and len(forwards) < sum(c["calls"] for c in per_row)
+    assert draft.stats()["calls"] == sum(c["calls"] for c in per_row)
+    assert draft.stats()["flops"] == pytest.approx(sum(c["flops"] for c in per_row))
+    assert draft.stats()["padded_flops"] > 0  # the idle rows' and the target's unseen slots' share, counted
+
+
+@pytest.mark.newest_only  # compiles three graphs (a minute here); the eager batch above runs under both releases
+def test_a_compiled_glide_draft_reads_the_targets_compiled_batch_cache(good_pair, batch_graphs):
+    """The same through compiled graphs on both sides: the target's batch cache's keys and values, and which of them
+    each query row sees, are inputs of the draft's graphs (never constants frozen into them), and every row decodes
+    what it decodes alone."""
+    batch_graphs.warm()
+    pair = batched(good_pair, batch_graphs)
+    method, alone = build(pair, "glide"), build(good_pair, "glide")
+    [draft] = method.batch_parts()
+    draft.compiled = CompiledLM(draft.module, max_len=1024, buckets=(1, 4, 16), role=draft.role, rows=BATCH,
+                                reads=batch_graphs.cache)
+    draft.compiled.warm()
+    draft.compiled.check()
+    rows = prompts(good_pair)
+    with no_recompiles():
+        got = decode_batch(method, rows, 16)
+    for ids, out in zip(rows, got):
+        ref = run(alone, ids, 16)
+        assert out.output_ids == ref.output_ids and out.accept_lengths == ref.accept_lengths
+    assert draft.stats()["uncompiled_calls"] == BATCH  # the prompts (beyond the largest bucket) only
 
 
 @pytest.mark.parametrize("name", ["medusa", "hydra", "amphista"])
