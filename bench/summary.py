@@ -23,14 +23,16 @@ from core.files import RECORDS
 
 # Columns of the summary table, in order (quality columns q_<name> follow; csv files hold them all).
 COLUMNS = ["label", "method", "pair", "dataset", "category", "prompts", "batch_size", "new_tokens", "wall_s", "ttft_s",
-           "tokens_per_s", "ms_per_token", "throughput", "tpot_ms", "latency_p50_s", "latency_p90_s", "latency_p99_s", "speedup_median", "speedup_lo", "speedup_hi", "speedup_q25",
+           "tokens_per_s", "ms_per_token", "throughput", "throughput_vs_ar1", "tpot_ms", "tpot_p90_ms", "tpot_p99_ms",
+           "ttft_p90_s", "ttft_p99_s", "latency_p50_s",
+           "latency_p90_s", "latency_p99_s", "speedup_median", "speedup_lo", "speedup_hi", "speedup_q25",
            "speedup_q75", "speedup_pooled", "speedup_specbench", "speedup_vs_ref", "mean_accepted", "alpha",
            "accept_by_position", "mean_drafted", "cost_ratio_c", "analytic_speedup", "target_calls_per_token",
            "gflops_per_token", "peak_mem_bytes", "method_param_bytes", "peak_decode_bytes", "matches_baseline",
            "tie_flips", "mismatches"]
 # What people read (printed, md, tex, HTML): speedup_median carries its interval, speedup_iqr the spread; memory in MiB.
 DISPLAY = ["label", "pair", "dataset", "category", "prompts", "batch_size", "new_tokens", "tokens_per_s", "throughput",
-           "speedup_median",
+           "throughput_vs_ar1", "speedup_median",
            "speedup_iqr", "speedup_pooled", "speedup_specbench", "speedup_vs_ref", "mean_accepted", "alpha",
            "accept_by_position", "analytic_speedup", "target_calls_per_token", "gflops_per_token", "ttft_s",
            "peak_mem_mib", "method_param_mib", "peak_decode_mib", "matches_baseline", "tie_flips", "mismatches"]
@@ -107,12 +109,11 @@ def throughput(g: pd.DataFrame) -> float:
     return metrics.ratio(g["new_tokens"].sum(), sum(seconds))
 
 
-def time_per_output_token(g: pd.DataFrame) -> float:
-    """Median over requests of the seconds per new token after the first (TPOT), in ms; NaN without two tokens or
+def time_per_output_token(g: pd.DataFrame) -> list[float]:
+    """Per request, the seconds per new token after the first (TPOT), in ms; none for a request without two tokens or
     a time to the first one (imported answers have none)."""
-    per = [(w - t) / (n - 1) * 1e3 for w, t, n in zip(g["wall_s"], g["ttft_s"], g["new_tokens"])
-           if n > 1 and isinstance(t, (int, float)) and t == t]
-    return metrics.median(per)
+    return [(w - t) / (n - 1) * 1e3 for w, t, n in zip(g["wall_s"], g["ttft_s"], g["new_tokens"])
+            if n > 1 and isinstance(t, (int, float)) and t == t]
 
 
 def summary_row(g: pd.DataFrame, level: float) -> dict:
@@ -129,6 +130,7 @@ def summary_row(g: pd.DataFrame, level: float) -> dict:
     compared = g["matches_baseline"].dropna().astype(float) if "matches_baseline" in g else pd.Series(dtype=float)
     differing = compared.index[compared == 0]  # greedy records whose tokens are not the baseline's
     ties = int(sum(near_tie(d) for d in g["divergence"].loc[differing])) if "divergence" in g else 0
+    tpot = time_per_output_token(g)
     largest_batch = g["batch_size"].max() if "batch_size" in g else 1  # NaN in records older than batch_size
     batch = int(largest_batch) if largest_batch == largest_batch else 1
     row = {
@@ -142,7 +144,12 @@ def summary_row(g: pd.DataFrame, level: float) -> dict:
         # Prompts decoded together (the largest group; NaN when one at a time, so that tables of B = 1 stay as they were).
         "batch_size": batch if batch > 1 else math.nan,
         "throughput": throughput(g),  # tokens per second over all decodes, a batch's seconds once
-        "tpot_ms": time_per_output_token(g),
+        # Per-request time per output token and to the first token (in a batch, the row's own), across prompts.
+        "tpot_ms": metrics.median(tpot),
+        "tpot_p90_ms": metrics.quantile(tpot, 0.9),
+        "tpot_p99_ms": metrics.quantile(tpot, 0.99),
+        "ttft_p90_s": metrics.quantile(g["ttft_s"], 0.9),
+        "ttft_p99_s": metrics.quantile(g["ttft_s"], 0.99),
         # Per-request latency (prefill to last token; in a batch, the row's own) across prompts.
         "latency_p50_s": metrics.quantile(g["wall_s"], 0.5),
         "latency_p90_s": metrics.quantile(g["wall_s"], 0.9),
@@ -180,6 +187,20 @@ def summary_row(g: pd.DataFrame, level: float) -> dict:
     return row
 
 
+def over_ar_alone(table: pd.DataFrame, keys: list[str]) -> list[float]:
+    """Each row's throughput over that of ``ar`` one prompt at a time (B = 1) on the same ``keys`` (pair, dataset,
+    category): what batching and the method together give over plain decoding alone (issue 41). NaN where the table
+    has no such ``ar`` row, or has only B = 1 (the column would say 1 for ``ar`` and nothing new)."""
+    if table["batch_size"].isna().all():
+        return [math.nan] * len(table)
+    alone = table[(table["method"] == "ar") & table["batch_size"].isna()]
+    out = []
+    for _, row in table.iterrows():
+        same = alone[(alone[keys] == row[keys]).all(axis=1)]
+        out.append(metrics.ratio(row["throughput"], same["throughput"].iloc[0]) if len(same) else math.nan)
+    return out
+
+
 def summary_table(df: pd.DataFrame, by_category: bool = False, level: float = 0.95) -> pd.DataFrame:
     """One row per label × pair × dataset (× category): the aggregates of :func:`summary_row`. Rows of a
     run's baseline come first and carry no comparison with themselves."""
@@ -189,6 +210,7 @@ def summary_table(df: pd.DataFrame, by_category: bool = False, level: float = 0.
     is_base = [bool(g["is_baseline"].all()) for _, g in groups]
     is_ref = [bool(g["is_reference"].all()) if "is_reference" in g else False for _, g in groups]
     out = pd.DataFrame(rows)
+    out["throughput_vs_ar1"] = over_ar_alone(out, keys[1:])
     out.loc[is_base, [c for c in ("matches_baseline", "tie_flips", "mismatches") if c in out]] = math.nan
     qcols = sorted(c for c in out.columns if c.startswith("q_"))
     out = out[[c for c in COLUMNS if c in out.columns] + qcols]
@@ -259,7 +281,7 @@ def legend(level: float = 0.95) -> str:
             "speedup_iqr: its 25th-75th percentiles across prompts; speedup_pooled: total tokens / total seconds "
             "over the same prompts, over the baseline's; speedup_specbench: Spec-Bench's speed.py, mean tokens/s over "
             "mean baseline tokens/s (its answers re-tokenized); throughput: new tokens over seconds across all decodes, "
-            "a batch's seconds once; speedup_vs_ref: the median paired speedup against the "
+            "a batch's seconds once (throughput_vs_ar1: over ar's at batch size 1 in the same table); speedup_vs_ref: the median paired speedup against the "
             "optimised plain decoding (ar_compiled: static cache + torch.compile), where the run timed it; "
             "peak_mem_mib: all resident at the peak (the other method's parts too), method_param_mib: the method's own "
             "parts beyond the target, peak_decode_mib: CUDA, the decode's own peak above what was resident (largest "

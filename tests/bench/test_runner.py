@@ -1,6 +1,7 @@
 """The runner on the tiny pair: the baseline's own config, and what each record carries."""
 
 import json
+import math
 
 import pytest
 
@@ -178,5 +179,10 @@ def test_a_batch_run_records_each_prompt_as_its_decode_alone(compose_cfg, tmp_pa
     row = summary.run_summary(tmp_path / "two").set_index("method").loc["sd"]
     assert row["batch_size"] == 2 and row["throughput"] == pytest.approx(
         sum(groups.values()) / sum(wall for _, wall in groups))
+    assert math.isnan(row["throughput_vs_ar1"])  # one batch size: no ar at B = 1 to compare with
     df, _ = saved.load([str(tmp_path / "one"), str(tmp_path / "two")])
-    assert set(summary.summary_table(df)["label"]) == {f"{m} (batch_size={b})" for m in ("ar", "sd") for b in (1, 2)}
+    both = summary.summary_table(df).set_index("label")
+    assert set(both.index) == {f"{m} (batch_size={b})" for m in ("ar", "sd") for b in (1, 2)}
+    # Throughput over ar's one prompt at a time, the B = 1 run's ar row in the same table.
+    ar1 = both.loc["ar (batch_size=1)", "throughput"]
+    assert both["throughput_vs_ar1"].to_dict() == pytest.approx({k: v / ar1 for k, v in both["throughput"].items()})

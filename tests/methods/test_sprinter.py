@@ -187,16 +187,17 @@ def test_roc_auc_by_hand():
 
 
 @pytest.mark.newest_only
-def test_cli_trains_verifier_and_prints_report(cache_dir):
+def test_cli_trains_verifier_and_prints_report(cache_dir, capsys):
+    """``train method method=sprinter`` through the command line's entry point, in-process (the other tests run the
+    real one's exits as subprocesses): the verifier's report printed."""
     import json
 
-    from tests.bench.test_cli import bench
+    from bench.__main__ import main
 
     recipe = [f"method.verifier.{k}={v}" for k, v in TINY_RECIPE.items()]
-    res = bench("train", "method", "pair=tiny", "method=sprinter", *recipe, cache_dir=cache_dir, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    report = json.loads(res.stdout[res.stdout.index("{"):])
-    assert REPORT_KEYS <= report.keys()
+    assert main(["train", "method", "pair=tiny", "method=sprinter", f"cache_dir={cache_dir}", *recipe]) == 0
+    out = capsys.readouterr().out
+    assert REPORT_KEYS <= json.loads(out[out.index("{"):]).keys()
 
 
 def test_compiled_decodes_what_eager_decodes(tiny_pair, compiled):
