@@ -1,8 +1,8 @@
 """A causal LM's forwards compiled for a few fixed shapes (``compile=true``): issue 40, docs/design/static-verification.md.
 
 The target's, and each draft model's a method decodes with (``sd``, ``cascade``, ``spechub``, ``gsd``, ``sprinter``;
-in a batch also EAGLE's draft layer and GliDe's draft, which reads the target's batch cache too): one
-:class:`CompiledLM` per model.
+in a batch also the methods' own models, ``Method.batch_parts``: EAGLE's draft layer, Hydra++'s prefix layer, Amphista's
+adaptation stages, GliDe's draft, which reads the target's batch cache too): one :class:`CompiledLM` per model.
 
 Why: what a speculative method gains depends on what a k-token verification forward costs against a one-token step,
 and an eager forward's cost is set by its kernels' quirks (BLAS blocking on the CPU, kernel launches on a GPU), not by

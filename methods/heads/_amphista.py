@@ -30,7 +30,7 @@ import math
 import torch
 from torch import nn
 
-from core.counting import Counted, CountedModule
+from core.counting import CountedLM, CountedModule
 from core.flops import FlopFormula
 from core.kv_cache import lm_forward
 from core.model_parts import body_config, copy_last_layers
@@ -60,9 +60,33 @@ class AdaptStage(nn.Module):
         """``feats (B, n, H)``, ``emb (B, n, H)`` (the embeddings of the tokens after those positions) ->
         ``(B, n, H)``, causal, at positions ``len(cache) ..``; ``cache`` is extended in place (``None``: the
         whole sequence at once, as in training)."""
-        x = self.fc(torch.cat([feats, emb], dim=-1))
-        out = lm_forward(self.body, None, cache, inputs_embeds=x)
-        return feats + self.gamma * out.last_hidden_state
+        out = lm_forward(self.body, None, cache, inputs_embeds=self.fused(feats, emb))
+        return self.combine(feats, out.last_hidden_state)
+
+    def fused(self, feats: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """``fc([f; e])``: what ``L`` reads, ``(..., H)``."""
+        return self.fc(torch.cat([feats, emb], dim=-1))
+
+    def combine(self, feats: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The stage's output from its input ``feats`` and ``L``'s output ``out`` (both ``(..., H)``)."""
+        return feats + self.gamma * out
+
+    # What core.compiled.CompiledLM reads of a causal LM, so that a batch runs the stage's forwards on a batch cache (as
+    # Hydra++'s prefix layer): the decoder (``L``), its one-row token table (every real row's input, ``fc``'s output, is
+    # swapped in for it) and, as its "head", nothing: a forward's logits are ``L``'s output, which :meth:`combine` adds.
+
+    def get_decoder(self) -> nn.Module:
+        return self.body
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.body.get_input_embeddings()
+
+    def get_output_embeddings(self) -> None:
+        return None
+
+    def logits_of(self, out: torch.Tensor) -> torch.Tensor:
+        """``L``'s output as it is (core.compiled.logits_head: what a batch forward returns as its logits)."""
+        return out
 
 
 class AutoEmbedding(nn.Module):
@@ -129,24 +153,32 @@ class AmphistaHeads(Heads):
         return [logits[:, : T - k - 1, k] for k in range(self.num_heads)]
 
 
-class CountedAdapt(Counted):
-    """The ``adapt`` role: the staged adaptation layers over n newly committed positions, ``adapt(hidden (1, n,
-    H), emb (1, n, H), caches) -> (1, n, S, H)``, counted as S decoder layers (FLOPs by :mod:`core.flops`)."""
+class CountedStage(CountedLM):
+    """An ``adapt<s>`` role, adaptation stage s (from 1) over n newly committed positions: ``stage(feats (B, n, H), emb
+    (B, n, H), cache) -> (B, n, H)``, its decoder layer counted by :mod:`core.flops`' formula, ``fc`` (2H -> H) where it
+    runs (:meth:`fused`). In a batch its forwards run as a causal LM's on its batch cache (:meth:`CountedLM.forward_rows`),
+    ``fc``'s output swapped in for token embeddings and ``L``'s output returned as the logits (:class:`AdaptStage`)."""
 
-    def __init__(self, heads: AmphistaHeads):
-        config = body_config(heads.stages[0].config, len(heads.stages))
-        super().__init__(heads.stages, "adapt", config)
-        self.heads = heads
+    def __init__(self, stage: AdaptStage, role: str):
+        super().__init__(stage, role)
+        self.formula = self.formula.without([stage.fc], 0)  # fc runs before the forward: counted by fused()
+        self.fc_weights = stage.fc.weight.numel()
 
-    def __call__(self, hidden: torch.Tensor, emb: torch.Tensor, caches) -> torch.Tensor:
-        batch, new = hidden.shape[:2]
-        self._count(batch, new, caches[0].get_seq_length() + new)
-        return self.heads.adapt(hidden, emb, caches)
+    def fused(self, feats: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """:meth:`AdaptStage.fused`, its FLOPs counted (the forward reading its output is counted as the layer's)."""
+        self._count_outside(2.0 * self.fc_weights * feats.shape[:-1].numel())
+        return self.module.fused(feats, emb)
+
+    def __call__(self, feats: torch.Tensor, emb: torch.Tensor, cache) -> torch.Tensor:
+        batch, new = feats.shape[:2]
+        x = self.fused(feats, emb)
+        self._count(batch, new, cache.get_seq_length() + new)
+        return self.module.combine(feats, lm_forward(self.module.body, None, cache, inputs_embeds=x).last_hidden_state)
 
 
 class CountedAmphistaHeads(CountedModule):
     """The ``heads`` role: the auto-embedding block and the K heads at one position, ``heads(staged (..., S,
-    H)) -> (..., K, V')``; a call scores the K head positions (the adaptation layers count as ``adapt``). Positions
+    H)) -> (..., K, V')``; a call scores the K head positions (the adaptation layers count as ``adapt<s>``). Positions
     are independent (the block attends across the heads of one position), so a batch's rows stack."""
 
     def __init__(self, heads: AmphistaHeads, role: str = "heads"):

@@ -232,7 +232,7 @@ class TreeHeadsMethod(DraftVerify):
     class State(PromptState):
         """One prompt's heads: what they read next, the prefix or adaptation layers' caches, and the tree sizes."""
 
-        memory: DynamicCache | RowView | list[DynamicCache] | None  # new_memory()'s caches, extended by heads_input
+        memory: DynamicCache | RowView | list[DynamicCache | RowView] | None  # new_memory()'s, extended by heads_input
         unread: torch.Tensor | None  # (n, hidden) the target's hidden states heads_input has not read yet
         input: torch.Tensor  # heads_input's output at the last committed position: what fill reads
         typical: bool  # Medusa's typical acceptance verifies this prompt (sampling with typical: true)

@@ -3,7 +3,7 @@ Medusa's non-autoregressive heads, fed by staged adaptation layers over the targ
 heads attend to each other (the auto-embedding block; :mod:`methods.heads._amphista`).
 
 Each step the adaptation layers read the positions the target committed since the last step (their hidden
-states and the tokens after them; a KV cache of their own, role ``adapt``), the auto-embedding block and the
+states and the tokens after them; a KV cache each, roles ``adapt1``, ``adapt2``, ...), the auto-embedding block and the
 heads run once at the last position (role ``heads``), and the heads' top-k fill Medusa's candidate tree, which
 the target verifies in ONE forward (:mod:`methods.heads._tree_heads`): lossless as Medusa.
 
@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 from pydantic import Field, model_validator
-from transformers import DynamicCache
 
-from methods.heads._amphista import CountedAdapt, CountedAmphistaHeads
+from core.static_cache import RowView
+from core.swapped_embeddings import fed
+from methods.heads._amphista import CountedAmphistaHeads, CountedStage
 from methods.heads._heads import HeadsRecipe
 from methods.heads._tree_heads import TreeHeadsSettings
 from methods.heads.medusa import Medusa
@@ -50,18 +51,30 @@ class AmphistaSettings(TreeHeadsSettings):
 class Amphista(Medusa):
     kind = "amphista"
     Config = AmphistaSettings
-    # A batch stacks every row's heads call into one, but runs the adaptation layers row after row, each row with
-    # caches of its own (docs/batching.md).
-    batched_drafting = False
 
     def add_roles(self, heads, prefix) -> None:
-        self.adapt = self.pair.add(CountedAdapt(heads))
+        # A role per adaptation stage, each a causal LM of its own with a KV cache (a batch's: one forward per stage for
+        # every row, docs/batching.md); the auto-embedding block and the heads, stacked across a batch's rows.
+        self.stages = [self.pair.add(CountedStage(stage, f"adapt{s + 1}")) for s, stage in enumerate(heads.stages)]
         self.heads = self.pair.add(CountedAmphistaHeads(heads))
 
-    def new_memory(self, state):
-        return [DynamicCache() for _ in self.adapt.module]  # one KV cache per adaptation layer
+    def batch_parts(self) -> list:
+        return list(self.stages)
 
-    def heads_input(self, hiddens: torch.Tensor, next_ids: list[int], memory) -> torch.Tensor:
-        """``(S, hidden)``: every adaptation layer's output at the last committed position."""
+    def new_memory(self, state):
+        return [state.own_cache(stage) for stage in self.stages]  # in a batch, the prompt's row of each stage's
+
+    def heads_input(self, hiddens: torch.Tensor, next_ids: list[int], memory):
+        """``(S, hidden)``: every adaptation stage's output at the last committed position, each stage over the n new
+        positions (stage s + 1 reads stage s's outputs at all of them). A generator of the stages' forwards: in a batch
+        each is yielded as a causal LM's (``fc``'s output swapped in for token embeddings), the rows' run as one."""
         emb = self.embed(torch.tensor(next_ids, device=hiddens.device)).to(hiddens.dtype)
-        return self.adapt(hiddens.unsqueeze(0), emb.unsqueeze(0), memory)[0, -1]
+        f, last = hiddens, []
+        for stage, cache in zip(self.stages, memory):
+            if isinstance(cache, RowView):
+                out = yield {"lm": stage, "cache": cache, **fed(stage.fused(f, emb))}
+                f = stage.module.combine(f, out.logits[0])
+            else:
+                f = stage(f[None], emb[None], cache)[0]
+            last.append(f[-1])
+        return torch.stack(last)

@@ -36,7 +36,7 @@ def test_a_method_and_its_baseline_count_their_own_parts(compose_cfg, tmp_path):
     assert sorted(r["method"] for r in records) == ["amphista", "amphista", "medusa", "medusa"]
     for r in records:
         assert r["calls"]["heads"] > 0 and r["flops"]["heads"] > 0
-        assert (r["calls"].get("adapt", 0) > 0) == (r["method"] == "amphista")
+        assert (r["calls"].get("adapt1", 0) > 0) == (r["method"] == "amphista")  # its adaptation stages' roles
 
 
 def test_declared_settings_inherit():

@@ -143,8 +143,8 @@ DRAFT_MODELS_BATCHED = [m for m in BATCHED_DRAFTING if get_method(m).drafts or m
 
 
 def test_the_methods_that_batch_their_drafting():
-    assert BATCHED_DRAFTING == ["cascade", "eagle", "eagle3", "glide", "gsd", "hydra", "hydra_pp", "medusa", "sd",
-                                "spechub", "sprinter", "swift"]  # docs/batching.md lists them
+    assert BATCHED_DRAFTING == ["amphista", "cascade", "eagle", "eagle3", "glide", "gsd", "hydra", "hydra_pp", "medusa",
+                                "sd", "spechub", "sprinter", "swift"]  # docs/batching.md lists them
 
 
 @pytest.mark.parametrize("name,settings", [("sd", {"gamma": 4}), ("sd", {"gamma": 3, "confidence": 0.5}),
@@ -172,23 +172,30 @@ def test_a_batch_drafts_every_row_in_one_draft_forward(good_pair, batch_graphs, 
 
 @pytest.mark.parametrize("name,settings", [("eagle", {}), ("eagle", {"draft": "chain"}), ("eagle", {"draft": "static"}),
                                            ("eagle3", {}), ("eagle3", {"draft": "chain"}), ("hydra_pp", {}),
-                                           ("samd", {"aux": "eagle", "len_threshold": 99}), ("koala", {"base": "eagle"})])
+                                           ("samd", {"aux": "eagle", "len_threshold": 99}), ("koala", {"base": "eagle"}),
+                                           ("amphista", {})])
 def test_a_batch_runs_every_rows_eagle_draft_in_one_forward(good_pair, batch_graphs, name, settings):
-    """EAGLE's and EAGLE-3's draft layer, and Hydra++'s prefix layer, on a batch cache of its own
-    (``Method.batch_parts``; its input, fc's fused features (EAGLE-3's: beside the token's embedding) or the target's
-    hidden states, in place of token embeddings): its catch-up, each tree level (under each row's tree mask) or chain step runs once for every
-    row, and each row decodes what it decodes alone, its draft's forwards counted to it."""
+    """EAGLE's and EAGLE-3's draft layer, Hydra++'s prefix layer and Amphista's adaptation stages, each on a batch cache
+    of its own (``Method.batch_parts``; its input, fc's fused features (EAGLE-3's: beside the token's embedding), the
+    target's hidden states or a stage's fc over the stage before, in place of token embeddings): its catch-up, each tree
+    level (under each row's tree mask) or chain step runs once for every row, and each row decodes what it decodes
+    alone, its draft's forwards counted to it."""
     pair = batched(good_pair, batch_graphs)
     method, alone = build(pair, name, **settings), build(good_pair, name, **settings)
-    [draft] = method.batch_parts()
-    draft.compiled = CompiledLM(draft.module, max_len=1024, buckets=(1, 4, 16), role=draft.role, rows=BATCH,
-                                compiled=False)
-    draft.compiled.check()
+    parts = method.batch_parts()
+    for part in parts:
+        part.compiled = CompiledLM(part.module, max_len=1024, buckets=(1, 4, 16), role=part.role, rows=BATCH,
+                                   compiled=False)
+        part.compiled.check()
+    draft = parts[0]
     got, forwards = decode_counting_rows(method, alone, draft, batch_graphs, prompts(good_pair))
+    for part in parts:
+        per_row = [out.counts[part.role] for out in got]
+        assert part.stats()["calls"] == sum(c["calls"] for c in per_row)
+        # EAGLE-3's fc, Amphista's: counted to the row that ran it.
+        assert part.stats()["flops"] == pytest.approx(sum(c["flops"] for c in per_row))
     per_row = [out.counts[draft.role] for out in got]
     assert forwards[0] == BATCH and len(forwards) < sum(c["calls"] for c in per_row)  # the rows' forwards share forwards
-    assert draft.stats()["calls"] == sum(c["calls"] for c in per_row)
-    assert draft.stats()["flops"] == pytest.approx(sum(c["flops"] for c in per_row))  # EAGLE-3's fc: counted to its row
 
 
 @pytest.mark.parametrize("settings", [{}, {"cape": False}, {"cape_bins": [3] * 5 + [2] * 6}])

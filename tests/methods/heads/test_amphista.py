@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 from core.errors import BenchError
 from decoding.sampling import Sampling
+from methods.base import forwards_of
 from methods.heads._amphista import AmphistaHeads
 from methods.heads._heads import Heads
 from tests.helpers import assert_greedy_equal_to_ar, build, prompts_for
@@ -65,7 +66,13 @@ def test_adaptation_layers_read_each_committed_position_once_with_the_token_afte
             torch.nn.init.normal_(stage.gamma)  # far from the identity, so the attention's output matters
     seen = []
     inner = amphista.heads_input
-    amphista.heads_input = lambda hiddens, next_ids, memory: seen.append(inner(hiddens, next_ids, memory)) or seen[-1]
+
+    def spy(hiddens, next_ids, memory):
+        out = yield from forwards_of(inner(hiddens, next_ids, memory))
+        seen.append(out)
+        return out
+
+    amphista.heads_input = spy
     ids = prompts_for(pair, 1)[0]
     pair.reset_counts()
     with torch.inference_mode():
@@ -80,10 +87,11 @@ def test_adaptation_layers_read_each_committed_position_once_with_the_token_afte
     torch.testing.assert_close(torch.stack(seen), whole[ends], atol=1e-4, rtol=1e-4)
     counts = pair.counts()
     assert counts["target"]["calls"] == steps + 1  # still ONE target forward per tree
-    assert counts["adapt"]["calls"] == steps  # every committed position, even before a last step with no room to draft
+    stages = [f"adapt{s + 1}" for s in range(len(heads.stages))]
+    for role in stages:  # every committed position, even before a last step with no room to draft
+        assert counts[role]["calls"] == steps and counts[role]["tokens"] == len(ids) + sum(out.accept_lengths[:-1])
     assert steps - 1 <= counts["heads"]["calls"] <= steps
-    assert counts["adapt"]["tokens"] == len(ids) + sum(out.accept_lengths[:-1])
-    assert 0 < counts["heads"]["flops"] and 0 < counts["adapt"]["flops"] < counts["target"]["flops"]
+    assert 0 < counts["heads"]["flops"] and 0 < sum(counts[r]["flops"] for r in stages) < counts["target"]["flops"]
 
 
 def test_amphista_with_one_stage_and_deeper_heads_is_lossless(pair, looping_prompt):
