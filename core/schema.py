@@ -69,7 +69,7 @@ def sentence(model: type[Settings], data: Any, error: dict, where: str, label: s
     if kind == "extra_forbidden":
         parent = _model_at(model, data, loc[:-1])
         node = ".".join(p for p in [where, *map(str, loc[:-1])] if p) if loc[:-1] else label
-        keys = ", ".join(parent.model_fields) if parent else "(none)"
+        keys = ", ".join(listed(parent)) if parent else "(none)"
         return f"unknown key {key}; {node} has: {keys or '(no settings)'}."
     if kind == "value_error":  # a named cross-key validator: its message says what is wrong, in bare keys
         node = ".".join(p for p in [where, *map(str, loc)] if p) if loc else label
@@ -232,12 +232,21 @@ def _plural(text: str) -> str:
     return text
 
 
+def listed(model: type[Settings]) -> dict:
+    """``model``'s fields in the order people read them: as declared, less those declared
+    ``json_schema_extra={"listed": "last"}`` (every method's ``by_batch``, declared on their common base), which follow
+    the node's own."""
+    fields = model.model_fields
+    last = [n for n, f in fields.items() if (f.json_schema_extra or {}).get("listed") == "last"]
+    return {n: fields[n] for n in [*(n for n in fields if n not in last), *last]}
+
+
 def rows(settings: Settings, prefix: str = "", nested: bool = False) -> list[dict]:
     """Every leaf setting of a validated node: ``{key, type, value, meaning}`` (what ``show`` prints), less the fields
     declared with ``json_schema_extra={"shown": False}`` (a method's name, which ``method=<name>`` sets), and, in a
     node nested in another (``nested``), those declared ``{"nested": False}`` (read from the outermost node only)."""
     out = []
-    for name, field in type(settings).model_fields.items():
+    for name, field in listed(type(settings)).items():
         extra = field.json_schema_extra or {}
         if extra.get("shown") is False or (nested and extra.get("nested") is False):
             continue

@@ -57,7 +57,8 @@ class MethodSettings(Settings):
         None, description="settings by batch size, {B: {setting: value, ...}, ...}: at batch_size B and above (to the "
         "next B listed) they replace the others, as vLLM's num_speculative_tokens_per_batch_size (the best draft "
         "length shrinks as the batch grows: docs/batching.md); e.g. {4: {gamma: 3}, 8: {gamma: 2}}",
-        json_schema_extra={"nested": False})  # a nested method's is refused: the run's method's entries set it
+        # A nested method's is refused (the run's method's entries set it); listed after the method's own settings.
+        json_schema_extra={"nested": False, "listed": "last"})
 
     @field_validator("by_batch", mode="before")
     @classmethod

@@ -64,7 +64,7 @@ def test_the_example_is_lossless_greedy_and_sampled(example, tiny_pair):
 @pytest.mark.parametrize("override,needle", [
     ("method.draft_len=0", "method.draft_len=0 is not allowed; it takes an integer >= 1"),
     ("method.corpus=web", "method.corpus='web' is not allowed; it takes one of: lee, wiki, lee+wiki"),
-    ("method.gamma=2", "unknown key method.gamma; method=bigram has: name, draft_len, corpus."),
+    ("method.gamma=2", "unknown key method.gamma; method=bigram has: name, draft_len, corpus, by_batch."),
 ])
 def test_the_example_settings_are_checked_on_the_command_line(example, override, needle, capsys):
     from bench.__main__ import main

@@ -34,13 +34,13 @@ from core.counting import CountedLM, CountedModule
 from core.flops import FlopFormula
 from core.kv_cache import lm_forward
 from core.model_parts import body_config, copy_last_layers
-from methods.heads._heads import Heads
+from methods.heads._heads import BodyAsDecoder, Heads
 
 
-class AdaptStage(nn.Module):
-    """One staged adaptation layer: ``f + gamma * L(fc([f; e]))``, ``L`` a one-layer decoder of the target's
-    class (its final norm included) over the sequence, ``fc`` (2H -> H) starting as ``[I | 0]``, ``gamma (H,)``
-    at zero."""
+class AdaptStage(BodyAsDecoder, nn.Module):
+    """One staged adaptation layer: ``f + gamma * L(fc([f; e]))``, ``L`` (``body``) a one-layer decoder of the
+    target's class (its final norm included) over the sequence, ``fc`` (2H -> H) starting as ``[I | 0]``, ``gamma
+    (H,)`` at zero. A batch runs ``L`` as a causal LM (:class:`BodyAsDecoder`), ``fc``'s output swapped in."""
 
     def __init__(self, target_config):
         super().__init__()
@@ -70,23 +70,6 @@ class AdaptStage(nn.Module):
     def combine(self, feats: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The stage's output from its input ``feats`` and ``L``'s output ``out`` (both ``(..., H)``)."""
         return feats + self.gamma * out
-
-    # What core.compiled.CompiledLM reads of a causal LM, so that a batch runs the stage's forwards on a batch cache (as
-    # Hydra++'s prefix layer): the decoder (``L``), its one-row token table (every real row's input, ``fc``'s output, is
-    # swapped in for it) and, as its "head", nothing: a forward's logits are ``L``'s output, which :meth:`combine` adds.
-
-    def get_decoder(self) -> nn.Module:
-        return self.body
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.body.get_input_embeddings()
-
-    def get_output_embeddings(self) -> None:
-        return None
-
-    def logits_of(self, out: torch.Tensor) -> torch.Tensor:
-        """``L``'s output as it is (core.compiled.logits_head: what a batch forward returns as its logits)."""
-        return out
 
 
 class AutoEmbedding(nn.Module):

@@ -171,7 +171,28 @@ class CountedHeads(CountedModule):
         self._count(1, rows, 0, flops=2.0 * self.module.head_weights(path_emb.shape[-2] - 1) * rows)
 
 
-class PrefixLayer(nn.Module):
+class BodyAsDecoder:
+    """What ``core.compiled.CompiledLM`` reads of a causal LM, for a layer fed vectors over a one-layer ``body``
+    (Hydra++'s prefix layer, Amphista's adaptation stages), so that a batch runs its forwards on a batch cache (as
+    EAGLE's draft layer): the decoder (``body``), its one-row token table (every real row's input is swapped in for it)
+    and, as its "head", nothing: the logits a forward returns are ``body``'s output itself, which the layer then
+    combines with its input."""
+
+    def get_decoder(self) -> nn.Module:
+        return self.body
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.body.get_input_embeddings()
+
+    def get_output_embeddings(self) -> None:
+        return None
+
+    def logits_of(self, out: torch.Tensor) -> torch.Tensor:
+        """``body``'s output as it is (core.compiled.logits_head: what a batch forward returns as its logits)."""
+        return out
+
+
+class PrefixLayer(BodyAsDecoder, nn.Module):
     """Hydra++'s prefix attention layer: ``hidden + gamma * L(hidden)``.
 
     ``L`` is a one-layer decoder of the target's own class (attention over the sequence so far + MLP, the
@@ -208,24 +229,6 @@ class PrefixLayer(nn.Module):
     def combine(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The layer's output from its input ``hidden`` and ``L``'s output ``out`` (both ``(..., hidden)``)."""
         return out if self.gamma is None else hidden + self.gamma * out
-
-    # What core.compiled.CompiledLM reads of a causal LM, so that a batch runs the layer's forwards on a batch cache
-    # (as EAGLE's draft layer): the decoder (``L``), a token table (one row: every real row's input is swapped in for
-    # it) and, as its "head", nothing: the logits a forward returns are ``L``'s output itself, which :meth:`combine`
-    # then adds to the input.
-
-    def get_decoder(self) -> nn.Module:
-        return self.body
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.body.get_input_embeddings()
-
-    def get_output_embeddings(self) -> None:
-        return None
-
-    def logits_of(self, out: torch.Tensor) -> torch.Tensor:
-        """``L``'s output as it is (core.compiled.logits_head: what a batch forward returns as its logits)."""
-        return out
 
 
 class CountedPrefix(CountedLM):

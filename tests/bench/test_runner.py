@@ -46,7 +46,7 @@ def test_declared_settings_inherit():
     hpp = get_method("hydra_pp").settings({})
     assert hpp.name == "hydra_pp" and hpp.recipe.loss == "teacher" and hpp.recipe.prefix_layer
     assert len(hpp.tree) == 19 and hpp.recipe.num_heads == 4  # from hydra's declaration
-    assert json.loads(json.dumps(dict(get_method("ar").settings({})))) == {"name": "ar"}
+    assert json.loads(json.dumps(dict(get_method("ar").settings({})))) == {"name": "ar", "by_batch": None}
 
 
 def test_lossy_mismatches_carry_their_divergence(compose_cfg, tmp_path):

@@ -61,6 +61,17 @@ def prompts(pair):
     return [ps[0], ps[-1][:40], ps[2]]
 
 
+def decode_compiled_rows(method, alone, rows):
+    """``method``'s batch decode of ``rows`` (16 tokens) through warmed compiled graphs (a recompile is an error), each
+    row checked against ``alone``'s decode of it by itself."""
+    with no_recompiles():
+        got = decode_batch(method, rows, 16)
+    for ids, out in zip(rows, got):
+        ref = run(alone, ids, 16)
+        assert out.output_ids == ref.output_ids and out.accept_lengths == ref.accept_lengths
+    return got
+
+
 def decode_counting_rows(method, alone, part, graphs, rows):
     """``method``'s batch decode of ``rows`` (16 tokens, eager batch forwards), each row checked against ``alone``'s
     decode of it by itself; returns the outputs and, per call of ``part.forward_rows`` (a batch forward of a draft, a
@@ -127,13 +138,7 @@ def test_a_compiled_batch_swaps_and_skips_per_row(name, good_pair, batch_graphs)
     row decodes what it decodes alone."""
     batch_graphs.warm()
     pair = batched(good_pair, batch_graphs)
-    method, alone = build(pair, name), build(good_pair, name)
-    rows = prompts(good_pair)
-    with no_recompiles():
-        got = decode_batch(method, rows, 16)
-    for ids, out in zip(rows, got):
-        ref = run(alone, ids, 16)
-        assert out.output_ids == ref.output_ids and out.accept_lengths == ref.accept_lengths
+    decode_compiled_rows(build(pair, name), build(good_pair, name), prompts(good_pair))
 
 
 BATCHED_DRAFTING = [m for m in known_methods() if getattr(get_method(m), "batched_drafting", False)]
@@ -232,12 +237,7 @@ def test_a_compiled_glide_draft_reads_the_targets_compiled_batch_cache(good_pair
                                 reads=batch_graphs.cache)
     draft.compiled.warm()
     draft.compiled.check()
-    rows = prompts(good_pair)
-    with no_recompiles():
-        got = decode_batch(method, rows, 16)
-    for ids, out in zip(rows, got):
-        ref = run(alone, ids, 16)
-        assert out.output_ids == ref.output_ids and out.accept_lengths == ref.accept_lengths
+    decode_compiled_rows(method, alone, prompts(good_pair))
     assert draft.stats()["uncompiled_calls"] == BATCH  # the prompts (beyond the largest bucket) only
 
 
