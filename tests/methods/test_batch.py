@@ -203,13 +203,18 @@ def test_a_batch_runs_every_rows_eagle_draft_in_one_forward(good_pair, batch_gra
     assert forwards[0] == BATCH and len(forwards) < sum(c["calls"] for c in per_row)  # the rows' forwards share forwards
 
 
-@pytest.mark.parametrize("settings", [{}, {"cape": False}, {"cape_bins": [3] * 5 + [2] * 6}])
-def test_a_batch_runs_every_rows_glide_draft_in_one_forward(good_pair, batch_graphs, settings):
+@pytest.mark.parametrize("settings", [{}, {"cape": False}, {"cape_bins": [3] * 5 + [2] * 6}, "published"])
+def test_a_batch_runs_every_rows_glide_draft_in_one_forward(good_pair, batch_graphs, settings, tmp_path):
     """GliDe's draft on a batch cache of its own, reading the target's batch cache (each row up to its own committed
     length, the late-read positions under training's block rule): every drafting step of every row runs as one
-    forward (CaPE's chains, its expanded trees of different sizes per row, plain chains), each row decodes what it
-    decodes alone, and the draft's FLOPs (its cross-attention over each row's target keys too) counted to the rows sum
-    to the role's."""
+    forward (CaPE's chains, its expanded trees of different sizes per row, plain chains, the authors' published
+    draft of two blocks reading two target layers), each row decodes what it decodes alone, and the draft's FLOPs (its
+    cross-attention over each row's target keys too) counted to the rows sum to the role's."""
+    if settings == "published":
+        from tests.methods.glide.test_published import glide_file
+
+        folder, _ = glide_file(tmp_path / "glide", good_pair.target.module, layers=2)
+        settings = {"weights": str(folder), "gamma": 6}
     pair = batched(good_pair, batch_graphs)
     method, alone = build(pair, "glide", **settings), build(good_pair, "glide", **settings)
     [draft] = method.batch_parts()
