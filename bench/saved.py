@@ -8,7 +8,9 @@ reference (``bench.reference``), against the reference's record of that prompt t
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -54,6 +56,8 @@ def load(paths: list[str], baseline: str | None = None) -> tuple[pd.DataFrame, l
             row["flops_total"] = (rec.get("flops") or {}).get("total")
             row["method_cfg"] = rec.get("method_cfg") or {"name": rec.get("method")}
             row["batch_size"] = rec.get("batch_size") or 1  # records older than batch_size decoded one at a time
+            # The tokens, as one comparable value: a row of a batch against ar's decode of its prompt alone.
+            row["output_sha"] = output_sha(rec.get("output_ids"))
             for name, value in (rec.get("quality") or {}).items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     row[f"q_{name}"] = value
@@ -71,7 +75,31 @@ def load(paths: list[str], baseline: str | None = None) -> tuple[pd.DataFrame, l
     # against the optimised plain decoding of the same prompt, same run (NaN where the run did not time it)
     df["speedup_vs_ref"] = df["ref_wall_s"] / df["ref_new_tokens"].where(df["ref_new_tokens"] > 0) / spt
     df["ms_per_token"] = 1e3 * spt
+    df["matches_ar1"] = matches_alone(df)
     return df, runs
+
+
+def output_sha(ids) -> str | None:
+    """A short digest of a record's ``output_ids`` (None without them: imported answers)."""
+    return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16] if ids is not None else None
+
+
+def matches_alone(df: pd.DataFrame) -> pd.Series:
+    """Per greedy record decoded in a batch (``batch_size`` > 1): whether its tokens are those of ``ar`` decoding the
+    same prompt one at a time (B = 1, same pair, dataset, budget, greedy) in any of the loaded runs: issue 41's
+    losslessness per row, against ``ar`` alone rather than the baseline at the same B (which is batched itself). NaN
+    where no such ``ar`` record is loaded, for sampled records, and at B = 1."""
+    keys = ["pair", "dataset", "prompt_id", "max_new_tokens"]
+    if any(k not in df for k in [*keys, "temperature", "batch_size", "output_sha"]):  # imported answers say less
+        return pd.Series(math.nan, index=df.index, dtype=float)
+    greedy = df["temperature"] == 0
+    alone = df[(df["method"] == "ar") & (df["batch_size"] == 1) & greedy & df["output_sha"].notna()]
+    shas = dict(zip(map(tuple, alone[keys].astype(str).to_numpy()), alone["output_sha"]))
+    out = []
+    for (_, r), key in zip(df.iterrows(), map(tuple, df[keys].astype(str).to_numpy())):
+        ref = shas.get(key) if r["batch_size"] > 1 and r["temperature"] == 0 and r["output_sha"] is not None else None
+        out.append(math.nan if ref is None else float(r["output_sha"] == ref))
+    return pd.Series(out, index=df.index, dtype=float)
 
 
 def labels(df: pd.DataFrame, axis: str | None = None) -> pd.Series:

@@ -29,13 +29,14 @@ COLUMNS = ["label", "method", "pair", "dataset", "category", "prompts", "batch_s
            "speedup_q75", "speedup_pooled", "speedup_specbench", "speedup_vs_ref", "mean_accepted", "alpha",
            "accept_by_position", "mean_drafted", "cost_ratio_c", "analytic_speedup", "target_calls_per_token",
            "gflops_per_token", "peak_mem_bytes", "method_param_bytes", "peak_decode_bytes", "matches_baseline",
-           "tie_flips", "mismatches"]
+           "tie_flips", "mismatches", "matches_ar1"]
 # What people read (printed, md, tex, HTML): speedup_median carries its interval, speedup_iqr the spread; memory in MiB.
 DISPLAY = ["label", "pair", "dataset", "category", "prompts", "batch_size", "new_tokens", "tokens_per_s", "throughput",
            "throughput_vs_ar1", "speedup_median",
            "speedup_iqr", "speedup_pooled", "speedup_specbench", "speedup_vs_ref", "mean_accepted", "alpha",
            "accept_by_position", "analytic_speedup", "target_calls_per_token", "gflops_per_token", "ttft_s",
-           "peak_mem_mib", "method_param_mib", "peak_decode_mib", "matches_baseline", "tie_flips", "mismatches"]
+           "peak_mem_mib", "method_param_mib", "peak_decode_mib", "matches_baseline", "tie_flips", "mismatches",
+           "matches_ar1"]
 MEMORY = ["peak_mem_bytes", "method_param_bytes", "peak_decode_bytes"]  # shown as <name>_mib
 DISPLAY_QUALITY = ["token_agreement", "rougeL_vs_baseline", "exact_match", "rougeL_vs_reference", "perplexity",
                    "perplexity_baseline", "attribution"]
@@ -131,6 +132,7 @@ def summary_row(g: pd.DataFrame, level: float) -> dict:
     differing = compared.index[compared == 0]  # greedy records whose tokens are not the baseline's
     ties = int(sum(near_tie(d) for d in g["divergence"].loc[differing])) if "divergence" in g else 0
     tpot = time_per_output_token(g)
+    alone = metrics.present(g["matches_ar1"]) if "matches_ar1" in g else []  # batch rows against ar alone: 1 or 0
     largest_batch = g["batch_size"].max() if "batch_size" in g else 1  # NaN in records older than batch_size
     batch = int(largest_batch) if largest_batch == largest_batch else 1
     row = {
@@ -181,6 +183,8 @@ def summary_row(g: pd.DataFrame, level: float) -> dict:
         "tie_flips": ties if len(compared) else math.nan,  # greedy prompts that part from the baseline at a near-tie
         # greedy prompts that part from it where the target's margin was >= ε (or, in older records, not measured)
         "mismatches": int((compared == 0).sum()) - ties if len(compared) else math.nan,
+        # share of greedy prompts decoded in a batch whose tokens are ar's alone (B = 1) in the loaded runs
+        "matches_ar1": metrics.ratio(sum(alone), len(alone)),
     }
     qs = [q for q in g["quality"] if isinstance(q, dict)] if "quality" in g else []
     row.update({f"q_{k}": v for k, v in quality.summarize_quality([{"quality": q} for q in qs]).items()})
@@ -286,7 +290,9 @@ def legend(level: float = 0.95) -> str:
             "peak_mem_mib: all resident at the peak (the other method's parts too), method_param_mib: the method's own "
             "parts beyond the target, peak_decode_mib: CUDA, the decode's own peak above what was resident (largest "
             "over prompts); tie_flips: greedy prompts that part from the baseline where "
-            f"the target's top-1 - top-2 logit < ε ({eps}), mismatches: the other greedy prompts that part from it")
+            f"the target's top-1 - top-2 logit < ε ({eps}), mismatches: the other greedy prompts that part from it; "
+            "matches_ar1: share of greedy prompts decoded in a batch whose tokens are ar's for the prompt alone "
+            "(batch size 1) in the tables' runs (near-ties not told apart)")
 
 
 def markdown(table: pd.DataFrame) -> str:

@@ -186,3 +186,6 @@ def test_a_batch_run_records_each_prompt_as_its_decode_alone(compose_cfg, tmp_pa
     # Throughput over ar's one prompt at a time, the B = 1 run's ar row in the same table.
     ar1 = both.loc["ar (batch_size=1)", "throughput"]
     assert both["throughput_vs_ar1"].to_dict() == pytest.approx({k: v / ar1 for k, v in both["throughput"].items()})
+    # Each batch row's tokens against ar's for the prompt alone, read across the two runs: all of them here.
+    assert both.loc["sd (batch_size=2)", "matches_ar1"] == both.loc["ar (batch_size=2)", "matches_ar1"] == 1.0
+    assert math.isnan(both.loc["sd (batch_size=1)", "matches_ar1"])

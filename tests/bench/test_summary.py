@@ -206,3 +206,18 @@ def test_memory_columns_take_the_largest_prompt_and_show_mib(tmp_path):
     _write_run(tmp_path / "gpu", gpu)
     assert _rows(tmp_path / "gpu").loc["sd", "peak_decode_bytes"] == 6 * mib  # prompt p1's
     assert display_table(_rows(tmp_path / "gpu").reset_index()).set_index("label").loc["sd", "peak_decode_mib"] == "6"
+
+
+def test_a_batch_row_is_checked_against_ar_alone():
+    """matches_ar1: a greedy row decoded in a batch whose tokens differ from ar's for its prompt alone is 0, the same
+    tokens 1; a prompt with no ar record at B = 1 loaded, a sampled row, and rows at B = 1 are not judged (NaN)."""
+    from bench.saved import matches_alone, output_sha
+
+    base = {"pair": "tiny", "dataset": "default", "max_new_tokens": 8, "temperature": 0.0}
+    rows = [("ar", 1, "p0", [1, 2]), ("sd", 4, "p0", [1, 2]), ("pld", 4, "p0", [1, 3]), ("sd", 4, "p1", [5]),
+            ("sd", 1, "p0", [1, 2])]
+    df = pd.DataFrame([{**base, "method": m, "batch_size": b, "prompt_id": p, "output_sha": output_sha(ids)}
+                       for m, b, p, ids in rows] + [{**base, "method": "sd", "batch_size": 4, "prompt_id": "p0",
+                                                     "temperature": 0.7, "output_sha": output_sha([9])}])
+    got = matches_alone(df).tolist()
+    assert got[1:3] == [1.0, 0.0] and all(math.isnan(v) for v in (got[0], got[3], got[4], got[5]))
