@@ -90,16 +90,15 @@ def matches_alone(df: pd.DataFrame) -> pd.Series:
     losslessness per row, against ``ar`` alone rather than the baseline at the same B (which is batched itself). NaN
     where no such ``ar`` record is loaded, for sampled records, and at B = 1."""
     keys = ["pair", "dataset", "prompt_id", "max_new_tokens"]
-    if any(k not in df for k in [*keys, "temperature", "batch_size", "output_sha"]):  # imported answers say less
+    # Imported answers say less.
+    if df.empty or any(k not in df for k in [*keys, "temperature", "batch_size", "output_sha"]):
         return pd.Series(math.nan, index=df.index, dtype=float)
-    greedy = df["temperature"] == 0
-    alone = df[(df["method"] == "ar") & (df["batch_size"] == 1) & greedy & df["output_sha"].notna()]
-    shas = dict(zip(map(tuple, alone[keys].astype(str).to_numpy()), alone["output_sha"]))
-    out = []
-    for (_, r), key in zip(df.iterrows(), map(tuple, df[keys].astype(str).to_numpy())):
-        ref = shas.get(key) if r["batch_size"] > 1 and r["temperature"] == 0 and r["output_sha"] is not None else None
-        out.append(math.nan if ref is None else float(r["output_sha"] == ref))
-    return pd.Series(out, index=df.index, dtype=float)
+    key = df[keys].astype(str).agg("\x1f".join, axis=1)
+    greedy = (df["temperature"] == 0) & df["output_sha"].notna()
+    alone = (df["method"] == "ar") & (df["batch_size"] == 1) & greedy
+    ref = key.map(dict(zip(key[alone], df.loc[alone, "output_sha"])))
+    batched = (df["batch_size"] > 1) & greedy & ref.notna()
+    return (df["output_sha"] == ref).astype(float).where(batched)
 
 
 def labels(df: pd.DataFrame, axis: str | None = None) -> pd.Series:

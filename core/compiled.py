@@ -329,15 +329,19 @@ class CompiledLM:
             if r is not None and r.cross_seen is not None:
                 n, m = r.cross_seen.shape
                 visible[i, :n, :m] = r.cross_seen
-        alone = len(at) < self.cache.rows
-        kv = tuple(t[at[0]:at[0] + 1] for t in self.cross_kv) if alone else self.cross_kv
+        part = len(at) < self.cache.rows
+        kv = tuple(t[at[0]:at[-1] + 1] for t in self.cross_kv) if part else self.cross_kv
         return kv, visible.to(self.device)
 
     def _run(self, rows: list[RowForward | None]) -> list[tuple | None]:
-        """One forward over every row of the cache: row b's ``rows[b]`` (None: an idle row, all padding), each padded
-        to the bucket of the longest (its padding rows see its cached slots and themselves). Per row, ``(hidden (n,
-        hidden), logits (len(keep), vocab), layer inputs ((1, n, hidden) per decoder layer))``, None for an idle row;
-        each row's length then grows by its real rows.
+        """One forward over the rows of the cache: row b's ``rows[b]`` (None: an idle row), each padded to the bucket
+        of the longest (its padding rows see its cached slots and themselves). Per row, ``(hidden (n, hidden), logits
+        (len(keep), vocab), layer inputs ((1, n, hidden) per decoder layer))``, None for an idle row; each row's length
+        then grows by its real rows.
+
+        A compiled graph reads every row, an idle one as padding. Uncompiled, the rows after the last running one are
+        not computed at all: a batch keeps its running rows first (:meth:`RowCache.move`), so a finished row stops
+        costing compute (issue 41), and a last, smaller group costs its own rows only.
 
         A forward longer than the largest bucket (a prompt's prefill, uncompiled) runs each real row on its own slice
         of the cache instead: padding 8 prompts to the longest cost 4.5 s of prefill at B = 8 for a fifth of the work
@@ -346,20 +350,32 @@ class CompiledLM:
             raise ValueError(f"a forward of the compiled {self.role} reads all {self.cache.rows} rows of its cache")
         longest = max(len(r.ids) if r is not None else 0 for r in rows)
         if sum(r is not None for r in rows) < 2 or longest <= max(self.buckets):
-            return self._forward(rows, range(self.cache.rows))
+            start, end = 0, self.cache.rows
+            if self.eager or longest > max(self.buckets):  # uncompiled: the idle rows around the running ones left out
+                running = [b for b, r in enumerate(rows) if r is not None]
+                start, end = running[0], running[-1] + 1
+            out = self._forward(rows[start:end], range(start, end))
+            left_out = [self._left_out(b) for b in range(self.cache.rows)]
+            self.ran = left_out[:start] + self.ran + left_out[end:]
+            return [None] * start + out + [None] * (self.cache.rows - end)
         out, ran = [], []
         for b, r in enumerate(rows):
             out.append(self._forward([r], [b])[0] if r is not None else None)
-            ran.append(self.ran[0] if r is not None else (self.cache.lengths[b], 0, 0, 0, False, 0))
+            ran.append(self.ran[0] if r is not None else self._left_out(b))
         self.ran = ran
         return out
 
+    def _left_out(self, b: int) -> tuple:
+        """:attr:`ran`'s entry for cache row ``b`` when a forward left it out: nothing ran."""
+        return (self.cache.lengths[b], 0, 0, 0, False, 0)
+
     def _forward(self, rows: list[RowForward | None], at) -> list[tuple | None]:
-        """:meth:`_run`'s forward of ``rows`` on the cache rows ``at`` (all of them, or one: ``[b]``, uncompiled)."""
+        """:meth:`_run`'s forward of ``rows`` on the cache rows ``at``: all of them, or a run of them (``range(i, j)``:
+        uncompiled, on that slice of the cache)."""
         sizes = [len(r.ids) if r is not None else 0 for r in rows]
         lengths = [self.cache.lengths[b] for b in at]
-        alone = len(at) < self.cache.rows
-        q = None if self.eager or alone else bucket_for(max(sizes), self.buckets)
+        part = len(at) < self.cache.rows
+        q = None if self.eager or part else bucket_for(max(sizes), self.buckets)
         width = q or max(sizes)
         if max(lengths) + width > self.cache.max_len:  # every row writes `width` rows, padding included
             raise BenchError(f"a {self.role} forward of {max(sizes)} rows at position {max(lengths)} passes "
@@ -381,7 +397,7 @@ class CompiledLM:
         self.ran = [(past, n, width, width if q is not None else (len(r.keep) if r else 0), q is not None, attend)
                     for past, r, n in zip(lengths, rows, sizes)]
         self.cache.writer, self.recorder.on = self, True
-        self.cache.window = slice(at[0], at[0] + 1) if alone else None
+        self.cache.window = slice(at[0], at[-1] + 1) if part else None
         try:
             if q is None:  # uncompiled: the head on the kept rows only, of every row at once (its weights read once)
                 hidden = self._hidden(ids_t, depth_t, visible_t, swapped, fill, cross)

@@ -95,6 +95,7 @@ class RowCache(Cache):
         # The slots the forward now running reads, from 0 (set by each CompiledLM forward: up to the longest row's end,
         # core.compiled.CompiledLM.attended).
         self.attend = max_len
+        self.views: list[RowView] = []  # every row handed out since the last reset (:meth:`row`), moved by :meth:`move`
         super().__init__(layers=[RowLayer(self, torch.zeros(shape, dtype=dtype, device=device),
                                           torch.zeros(shape, dtype=dtype, device=device))
                                  for _ in range(config.num_hidden_layers)])
@@ -127,7 +128,22 @@ class RowCache(Cache):
 
     def row(self, b: int) -> RowView:
         """Row ``b`` as a cache of its own for one decode: its length, its rollback, its slots."""
-        return RowView(self, b)
+        view = RowView(self, b)
+        self.views.append(view)
+        return view
+
+    def move(self, src: int, dst: int) -> None:
+        """The sequence in row ``src`` moves to row ``dst`` and the one in ``dst`` to ``src`` (a batch keeps its running
+        rows first, so that its uncompiled forwards leave the finished ones out: ``core.compiled.CompiledLM._run``).
+        Only ``src``'s filled slots are copied: ``dst``'s sequence has finished, and no forward reads it again. The
+        rows' views follow their sequences."""
+        for layer in self.layers:
+            for t in (layer.keys, layer.values):
+                t[dst, :, :self.lengths[src]] = t[src, :, :self.lengths[src]]
+        self.lengths[src], self.lengths[dst] = self.lengths[dst], self.lengths[src]
+        for view in self.views:
+            if view.b in (src, dst):
+                view.point_at(dst if view.b == src else src)
 
     def prefix(self, length: int) -> DynamicCache:
         """A ``DynamicCache`` holding a copy of the one row's first ``length`` positions, for eager forwards beside the
@@ -137,6 +153,7 @@ class RowCache(Cache):
     def reset(self) -> None:
         """Empty every row (the tensors keep their addresses and contents; no forward reads past a row's length)."""
         self.lengths = [0] * self.rows
+        self.views = []
 
     @property
     def is_compileable(self) -> bool:
@@ -154,8 +171,13 @@ class RowView:
     (``core.compiled.CompiledLM.forward_rows``), all rows at once."""
 
     def __init__(self, owner: RowCache, b: int):
-        self.owner, self.b = owner, b
-        self.layers = [_LayerView(self, layer) for layer in owner.layers]
+        self.owner = owner
+        self.point_at(b)
+
+    def point_at(self, b: int) -> None:
+        """Read and write row ``b`` from now on (:meth:`RowCache.move`)."""
+        self.b = b
+        self.layers = [_LayerView(self, layer) for layer in self.owner.layers]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.owner.lengths[self.b]

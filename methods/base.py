@@ -494,32 +494,39 @@ class DraftVerify(Method):
             raise BenchError(f"a batch of {len(prompts)} prompts decodes on the target's static cache of at least as "
                              f"many rows (it has {rows})")
         with ExitStack() as stack:
-            for lm in (target, *self.pair.drafts, *self.batch_parts()):  # the batch caches this batch holds
+            caches = []  # the batch caches this batch holds
+            for lm in (target, *self.pair.drafts, *self.batch_parts()):
                 if lm.compiled is not None and lm.compiled.cache.rows == rows:
-                    stack.callback(lm.release_cache, lm.new_cache(self.name))
+                    caches.append(lm.new_cache(self.name))
+                    stack.callback(lm.release_cache, caches[-1])
             states = [self.State(self, ids, max_new_tokens, sampling, gen, told, row=b)
                       for b, (ids, gen, told) in enumerate(zip(prompts, generators, on_tokens))]
             for state in states:
                 stack.enter_context(state.closing)
-            steps = [self.steps(state) for state in states]
-            ledgers: list[dict] = [{} for _ in prompts]  # per row: role -> its share of the counts
-            requests: list[dict | None] = [self._counted(ledgers[b], next, row) for b, row in enumerate(steps)]
-            requests += [None] * (rows - len(prompts))  # a last, smaller group: the cache's other rows idle
+            # Per cache row (a last, smaller group: the cache's other rows idle; the rows move, a finished row's place
+            # going to a running one: _running_first): its prompt, decode, generator, counts, next forward.
+            idle = [None] * (rows - len(prompts))
+            rowed = _Rows(list(range(len(prompts))) + idle, states + idle, [self.steps(s) for s in states] + idle,
+                          [{} for _ in prompts] + idle)
+            requests: list[dict | None] = [self._counted(rowed.ledgers[b], next, row) for b, row in
+                                           enumerate(rowed.steps[:len(prompts)])] + idle
             outputs: list[DecodeOutput | None] = [None] * len(prompts)
             while any(r is not None for r in requests):
                 models = [r.get("lm", target) if r is not None else None for r in requests]  # what each row waits on
                 lm = next((m for m in models if m is not None and m is not target), target)
-                outs = self._forward_rows(lm, [r if m is lm else None for r, m in zip(requests, models)], ledgers)
+                outs = self._forward_rows(lm, [r if m is lm else None for r, m in zip(requests, models)],
+                                          rowed.ledgers)
                 for b, out in enumerate(outs):
                     if out is None:
                         continue
                     if lm is target:
                         target.compiled.layer_inputs = target.compiled.layer_inputs_of[b]  # this row's, for its taps
                     try:  # the row goes on to its next forward (verifying, committing, drafting: counted to it)
-                        requests[b] = self._counted(ledgers[b], steps[b].send, out)
+                        requests[b] = self._counted(rowed.ledgers[b], rowed.steps[b].send, out)
                     except StopIteration as stop:
-                        outputs[b], requests[b] = stop.value, None
-                        outputs[b].counts = ledgers[b]
+                        outputs[rowed.prompts[b]], requests[b] = stop.value, None
+                        outputs[rowed.prompts[b]].counts = rowed.ledgers[b]
+                _running_first(requests, rowed, caches)
             return outputs
 
     def _forward_rows(self, lm, requests: list[dict | None], ledgers: list[dict]) -> list:
@@ -552,6 +559,35 @@ class DraftVerify(Method):
             after = self.pair.counts()
             _add_counts(ledger, {role: {k: v - before.get(role, {}).get(k, 0) for k, v in stats.items()}
                                  for role, stats in after.items()})
+
+
+@dataclass
+class _Rows:
+    """Per row of a batch's caches (None where no prompt is): the prompt it holds (its index in the batch), its
+    decode's state, its generator of forwards, its counts (role -> its share)."""
+
+    prompts: list[int | None]
+    states: list
+    steps: list
+    ledgers: list[dict | None]
+
+
+def _running_first(requests: list[dict | None], rowed: _Rows, caches: list) -> None:
+    """Move running rows into the places of finished ones before them, in every batch cache (``RowCache.move``) and
+    in ``requests`` and ``rowed``, so that the running rows come first and the uncompiled forwards leave the finished
+    ones out (``core.compiled.CompiledLM._run``): a finished row stops costing compute (issue 41)."""
+    while True:
+        free = next((b for b, r in enumerate(requests) if r is None), None)
+        last = max((b for b, r in enumerate(requests) if r is not None), default=None)
+        if free is None or last is None or last < free:
+            return
+        for cache in caches:
+            cache.move(last, free)
+        for column in (requests, rowed.prompts, rowed.states, rowed.steps, rowed.ledgers):
+            column[free], column[last] = column[last], column[free]
+        rowed.states[free].row = free
+        if rowed.states[last] is not None:
+            rowed.states[last].row = last
 
 
 def _call(lm, cache, request: dict):

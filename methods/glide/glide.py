@@ -138,7 +138,7 @@ class Glide(DraftVerify):
         self.published = bool(self.cfg.weights)
         if self.published:
             draft, self.report = load_published_glide(self.cfg.weights, target, self.pair.cache)
-            self.layers = read_layers(len(decoder_layers(target)), len(draft.cross))
+            draft.read_layers = read_layers(len(decoder_layers(target)), len(draft.cross))
         else:
             GlideDraft(target.config, torch.arange(1))  # a target it cannot glimpse is refused before any store work
             layer = kv_layer(target.config, self.cfg.recipe.layer, "method.recipe.layer")
@@ -146,8 +146,8 @@ class Glide(DraftVerify):
                 self.pair, lambda: untrained_glide(target.config, self.cfg.recipe),
                 lambda: load_or_train(glide_artifact(target, self.pair.tokenizer, self.cfg.recipe, self.pair.teacher),
                                       self.pair.teacher.cache, train_if_missing))
-            self.layers = [layer] * len(draft.cross)  # every block reads layer L
-        draft.read_layers = self.layers  # what a batch's forwards hand it of the target's cache (core.compiled)
+            draft.read_layers = [layer] * len(draft.cross)  # every block reads layer L
+        # draft.read_layers: the target layer each block reads, here and in a batch's forwards (core.compiled)
         self.draft = self.pair.add(CountedGlide(draft.to(device=self.pair.device, dtype=self.pair.dtype)))
         # The authors' draft embeds tokens with its own table; the harness's reads the target's embeddings.
         self.embed = self.draft.module.embed_tokens if self.published else target.get_input_embeddings()
@@ -196,7 +196,8 @@ class Glide(DraftVerify):
                          **fed(emb[0])}
             return out.logits[0, -1]
         # The committed positions only: a static cache (compile=true) holds more slots than it has filled.
-        kvs = [(state.cache.layers[i].keys[..., :p, :], state.cache.layers[i].values[..., :p, :]) for i in self.layers]
+        kvs = [(state.cache.layers[i].keys[..., :p, :], state.cache.layers[i].values[..., :p, :])
+               for i in self.draft.module.read_layers]
         return self.draft(emb, positions, kvs, visible if visible is None else visible[None], state.dcache, rows=1)[0, -1]
 
     def propose(self, state: State) -> Proposal:

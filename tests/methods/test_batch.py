@@ -259,6 +259,56 @@ def test_a_batch_runs_every_rows_heads_in_one_call(good_pair, batch_graphs, name
     assert method.heads.stats()["calls"] == per_row
 
 
+def no_idle_rows_computed(graphs, moves: list, target: bool):
+    """Check every uncompiled forward of ``graphs`` after it runs: the rows it computed span its running ones and no
+    more (a draft's rows that drafted less this step idle between them as padding); the target's, which every
+    unfinished row runs, come first in the cache (a finished row's place taken by a running row). ``moves`` gets each
+    move of a row."""
+    run_rows, move = graphs._run, graphs.cache.move
+
+    def checked(rows):
+        out = run_rows(rows)
+        running = [b for b, r in enumerate(rows) if r is not None]
+        assert [ran[2] > 0 for ran in graphs.ran] == [running[0] <= b <= running[-1] for b in range(len(rows))]
+        assert not target or running == list(range(len(running)))
+        return out
+
+    graphs._run = checked
+    graphs.cache.move = lambda src, dst: moves.append((src, dst)) or move(src, dst)
+
+
+@pytest.mark.parametrize("name", ["pld", "sd", "eagle", "glide", "swift"])
+def test_a_finished_row_stops_costing_compute(name, good_pair, batch_graphs, draft_graphs):
+    """Issue 41: when a row stops (here the first, at EOS, while the others run on), a running row takes its place in
+    every batch cache (the target's, a draft model's, EAGLE's and GliDe's drafts; SWIFT drafts on the target's), and
+    the eager forwards compute the running rows only; every row still decodes what it decodes alone."""
+    pair = batched(good_pair, batch_graphs, draft_graphs if name == "sd" else None)
+    method, alone = build(pair, name), build(good_pair, name)
+    graphs = [batch_graphs] + ([draft_graphs] if name == "sd" else [])
+    for part in method.batch_parts():
+        reads = {"reads": batch_graphs.cache} if name == "glide" else {}
+        part.compiled = CompiledLM(part.module, max_len=1024, buckets=(1, 4, 16), role=part.role, rows=BATCH,
+                                   compiled=False, **reads)
+        graphs.append(part.compiled)
+    rows = prompts(good_pair)
+    stop = run(alone, rows[0], 16).output_ids[1]  # row 0's second token ends it there
+    method.eos_ids = alone.eos_ids = method.eos_ids | {stop}
+    moves = [[] for _ in graphs]
+    for g, moved in zip(graphs, moves):
+        no_idle_rows_computed(g, moved, target=g is batch_graphs and name != "swift")  # swift drafts on it too
+    try:
+        with batch_graphs.eagerly():
+            got = decode_batch(method, rows, 16)
+    finally:
+        for g in graphs:
+            del g._run, g.cache.move
+    for ids, out in zip(rows, got):
+        ref = run(alone, ids, 16)
+        assert out.output_ids == ref.output_ids and out.accept_lengths == ref.accept_lengths
+    assert got[0].output_ids[-1] == stop and len(got[0].output_ids) <= 2 < max(len(out.output_ids) for out in got)
+    assert all(moved and moved[0] == (2, 0) for moved in moves)  # the last running row took row 0's place, everywhere
+
+
 @pytest.mark.parametrize("name", ["sd", "eagle", "lookahead"])  # a draft model's chain, a draft's tree, side rows
 def test_a_sampled_row_draws_what_it_draws_alone(name, good_pair, batch_graphs, draft_graphs):
     """Each row draws from its own generator, in its own order: at temperature 1 every row's tokens are those of its

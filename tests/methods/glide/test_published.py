@@ -144,7 +144,7 @@ def test_decoding_with_published_weights_equals_ar(pair, tmp_path, name):
     assert method.report["file"] == name and method.published
     assert not type(method).trains(pair.spec, method.cfg)
     assert method.embed is method.draft.module.embed_tokens  # the draft's own table
-    assert method.layers == [1, 2]
+    assert method.draft.module.read_layers == [1, 2]
     assert_greedy_equal_to_ar(method, prompts_for(pair, 2), max_new=16)
     chain = build(pair, "glide", weights=str(folder), cape=False, gamma=3)
     assert_greedy_equal_to_ar(chain, prompts_for(pair, 1), max_new=20)
