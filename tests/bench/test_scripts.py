@@ -196,10 +196,10 @@ def test_verify_cost_times_every_kernel_and_row_count(tmp_path, cache_dir):
     """The verification cost curve: each kernel at each k, its ratio to the one-token forward (1 at k = 1)."""
     import pandas as pd
 
-    script("verify_cost.py", "--rows", "1,2,4", "--repeats", "2", "--csv", str(tmp_path / "c.csv"), "--compiled",
-           "pair=tiny", cache_dir=cache_dir)
+    script("verify_cost.py", "--rows", "1,3", "--repeats", "2", "--csv", str(tmp_path / "c.csv"), "--compiled",
+           "pair=tiny", cache_dir=cache_dir)  # two row counts: each compiles a graph twice (frozen, plain)
     table = pd.read_csv(tmp_path / "c.csv")
-    assert table["k"].tolist() == [1, 2, 4]
+    assert table["k"].tolist() == [1, 3]
     for kernel in ("plain", "packed", "chosen", "compiled"):
         assert (table[f"{kernel}_ms"] > 0).all() and table[f"ratio_{kernel}"].iloc[0] == 1.0
     assert (table["compiled_plain_ms"] > 0).all()
