@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from pathlib import Path
 
 import matplotlib
@@ -245,6 +246,15 @@ def _batch_points(df: pd.DataFrame, table: pd.DataFrame) -> pd.DataFrame | str:
     return table.assign(line=table["label"].map(line), B=table["label"].map(size))
 
 
+def panels(points: pd.DataFrame) -> list[tuple[str, str]]:
+    """The (pair, dataset) pairs of ``points``, numbers in their names in numeric order (``long_input-512`` before
+    ``long_input-2048``): one panel each, left to right."""
+    def natural(name: str) -> list:
+        return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(name))]
+
+    return sorted(points.groupby(["pair", "dataset"]).groups, key=lambda combo: [natural(c) for c in combo])
+
+
 def speedup_by_batch(df: pd.DataFrame, runs: list[dict], table: pd.DataFrame):
     """Issue 41: each method's median paired speedup over the baseline at the same batch size (with the bootstrap
     interval) against the batch size, one line per method setting (one panel per pair × dataset: the input length)."""
@@ -255,7 +265,7 @@ def speedup_by_batch(df: pd.DataFrame, runs: list[dict], table: pd.DataFrame):
     points = points[points["speedup_median"].notna() & ~points["label"].isin(baselines)]
     if points.empty:
         return "no method with a paired baseline measurement"
-    combos = list(points.groupby(["pair", "dataset"]).groups)
+    combos = panels(points)
     fig, axes = plt.subplots(1, len(combos), figsize=(SINGLE * len(combos), 2.4), squeeze=False, sharey=True)
     col = colors(points["line"])
     for ax, (pair, dataset) in zip(axes[0], combos):
@@ -299,7 +309,7 @@ def throughput_vs_latency(df: pd.DataFrame, runs: list[dict], table: pd.DataFram
     points = points[points["throughput"].notna() & points["tpot_ms"].notna()]
     if points.empty:
         return "no record with a time to its first token"
-    combos = list(points.groupby(["pair", "dataset"]).groups)
+    combos = panels(points)
     fig, axes = plt.subplots(1, len(combos), figsize=(SINGLE * len(combos), 2.6), squeeze=False)
     col = colors(points["line"])
     for ax, (pair, dataset) in zip(axes[0], combos):

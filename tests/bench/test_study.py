@@ -450,6 +450,9 @@ def test_batch_figures_draw_one_line_per_method_over_the_batch_sizes(tmp_path):
         one, runs1 = saved.load([str(tmp_path / "b2")])
         assert plots.speedup_by_batch(one, runs1, summary.summary_table(one)) == "the records hold one batch size"
     assert plots.pareto_front([(1, 5), (2, 4), (2, 7), (3, 6), (4, 9)]) == [(1, 5), (2, 7), (4, 9)]
+    # One panel per input length, the shorter first (names compared as numbers, not as text).
+    named = pd.DataFrame({"pair": "smollm2", "dataset": ["long_input-2048", "long_input-512", "default"]})
+    assert [d for _, d in plots.panels(named)] == ["default", "long_input-512", "long_input-2048"]
 
 
 def plt_context():
