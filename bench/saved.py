@@ -75,6 +75,9 @@ def load(paths: list[str], baseline: str | None = None) -> tuple[pd.DataFrame, l
     # against the optimised plain decoding of the same prompt, same run (NaN where the run did not time it)
     df["speedup_vs_ref"] = df["ref_wall_s"] / df["ref_new_tokens"].where(df["ref_new_tokens"] > 0) / spt
     df["ms_per_token"] = 1e3 * spt
+    # The decode phase alone: the baseline's seconds per token after the first over the method's, same prompt (at long
+    # inputs and short budgets the prefill is most of `speedup`'s seconds, and the same on both sides).
+    df["speedup_decode"] = decode_seconds_per_token(df, "base_") / decode_seconds_per_token(df)
     df["matches_ar1"] = matches_alone(df)
     return df, runs
 
@@ -138,11 +141,21 @@ def named_settings(method: str) -> list[str]:
         return []
 
 
+def decode_seconds_per_token(df: pd.DataFrame, prefix: str = "") -> pd.Series:
+    """Per record, seconds per new token after the first (its own, or with ``prefix`` ``base_`` its baseline's): NaN
+    without two new tokens or a time to the first (imported answers)."""
+    if f"{prefix}ttft_s" not in df:
+        return pd.Series(math.nan, index=df.index, dtype=float)
+    new = df[f"{prefix}new_tokens"].astype(float)
+    ttft = pd.to_numeric(df[f"{prefix}ttft_s"], errors="coerce")
+    return (df[f"{prefix}wall_s"].astype(float) - ttft) / (new - 1).where(new > 1)
+
+
 def baseline_measurements(df: pd.DataFrame) -> pd.DataFrame:
-    """Per record: ``base_wall_s``, ``base_new_tokens`` and ``base_specbench_tokens`` of its run's baseline record
-    for the same prompt, pair, dataset, sampling settings, budget and seed in the same run directory (NaN when
-    there is none, or when the baseline's records predate the field)."""
-    return paired_measurements(df, df["is_baseline"], "base", ["wall_s", "new_tokens", "specbench_tokens"])
+    """Per record: ``base_wall_s``, ``base_new_tokens``, ``base_specbench_tokens`` and ``base_ttft_s`` of its run's
+    baseline record for the same prompt, pair, dataset, sampling settings, budget and seed in the same run directory
+    (NaN when there is none, or when the baseline's records predate the field)."""
+    return paired_measurements(df, df["is_baseline"], "base", ["wall_s", "new_tokens", "specbench_tokens", "ttft_s"])
 
 
 def paired_measurements(df: pd.DataFrame, mask: pd.Series, prefix: str, measured: list[str]) -> pd.DataFrame:

@@ -26,7 +26,7 @@ COLUMNS = ["label", "method", "pair", "dataset", "category", "prompts", "batch_s
            "tokens_per_s", "ms_per_token", "throughput", "throughput_vs_ar1", "tpot_ms", "tpot_p90_ms", "tpot_p99_ms",
            "ttft_p90_s", "ttft_p99_s", "latency_p50_s",
            "latency_p90_s", "latency_p99_s", "speedup_median", "speedup_lo", "speedup_hi", "speedup_q25",
-           "speedup_q75", "speedup_pooled", "speedup_specbench", "speedup_vs_ref", "mean_accepted", "alpha",
+           "speedup_q75", "speedup_pooled", "speedup_specbench", "speedup_decode", "speedup_vs_ref", "mean_accepted", "alpha",
            "accept_by_position", "mean_drafted", "cost_ratio_c", "analytic_speedup", "target_calls_per_token",
            "gflops_per_token", "peak_mem_bytes", "method_param_bytes", "peak_decode_bytes", "matches_baseline",
            "tie_flips", "mismatches", "matches_ar1"]
@@ -165,6 +165,8 @@ def summary_row(g: pd.DataFrame, level: float) -> dict:
         "speedup_pooled": metrics.ratio(metrics.ratio(paired["new_tokens"].sum(), paired["wall_s"].sum()),
                                         metrics.ratio(paired["base_new_tokens"].sum(), paired["base_wall_s"].sum())),
         "speedup_specbench": specbench_speedup(paired),  # Spec-Bench's speed.py: a ratio of mean tokens per second
+        # median over prompts of the paired speedup of the decode phase alone (tokens after the first: no prefill)
+        "speedup_decode": metrics.median(g["speedup_decode"]) if "speedup_decode" in g else math.nan,
         # median over prompts of the paired speedup against the run's optimised plain decoding (bench/reference.py)
         "speedup_vs_ref": metrics.median(g["speedup_vs_ref"]) if "speedup_vs_ref" in g else math.nan,
         # tokens committed per target call after prefill (every record's, imported ones without `drafted` too)

@@ -35,6 +35,24 @@ def test_speedup_median_pooled_and_spread(tmp_path):
     assert shown["speedup_median"].startswith("2.00 [") and shown["speedup_iqr"] == "1.75–2.50"
 
 
+def test_the_decode_phase_speedup_leaves_the_prefill_out(tmp_path):
+    """A long prefill the same on both sides (9 s) and a decode twice as fast (9 new tokens after the first in 0.5 s
+    against 1 s): end to end 10 / 9.5, the decode phase 2; NaN for a record without a time to its first token."""
+    recs = []
+    for i in range(3):
+        base, fast = _record("ar", f"p{i}", "qa", 10.0), _record("sd", f"p{i}", "qa", 9.5)
+        base["ttft_s"] = fast["ttft_s"] = 9.0
+        recs += [base, fast]
+    _write_run(tmp_path / "run", recs)
+    t = _rows(tmp_path / "run")
+    assert t.loc["sd", "speedup_median"] == pytest.approx(10 / 9.5)
+    assert t.loc["sd", "speedup_decode"] == pytest.approx(2.0) and t.loc["ar", "speedup_decode"] == pytest.approx(1.0)
+    for r in recs:
+        r["ttft_s"] = None
+    _write_run(tmp_path / "bare", recs)
+    assert math.isnan(_rows(tmp_path / "bare").loc["sd", "speedup_decode"])
+
+
 def test_pooled_differs_from_median_when_lengths_differ(tmp_path):
     """A method twice as fast on two short answers and half as fast on a long one: the median says 2, tokens
     per second pooled over the run (0.57) says it is slower than the baseline."""
