@@ -26,8 +26,8 @@ COLUMNS = ["label", "method", "pair", "dataset", "category", "prompts", "batch_s
            "tokens_per_s", "ms_per_token", "throughput", "throughput_vs_ar1", "tpot_ms", "tpot_p90_ms", "tpot_p99_ms",
            "ttft_p90_s", "ttft_p99_s", "latency_p50_s",
            "latency_p90_s", "latency_p99_s", "speedup_median", "speedup_lo", "speedup_hi", "speedup_q25",
-           "speedup_q75", "speedup_pooled", "speedup_specbench", "speedup_decode", "speedup_vs_ref", "mean_accepted", "alpha",
-           "accept_by_position", "mean_drafted", "cost_ratio_c", "analytic_speedup", "target_calls_per_token",
+           "speedup_q75", "speedup_pooled", "speedup_specbench", "speedup_decode", "speedup_vs_ref", "mean_accepted",
+           "alpha", "accept_by_position", "mean_drafted", "cost_ratio_c", "analytic_speedup", "target_calls_per_token",
            "gflops_per_token", "peak_mem_bytes", "method_param_bytes", "peak_decode_bytes", "matches_baseline",
            "tie_flips", "mismatches", "matches_ar1"]
 # What people read (printed, md, tex, HTML): speedup_median carries its interval, speedup_iqr the spread; memory in MiB.
@@ -113,8 +113,7 @@ def throughput(g: pd.DataFrame) -> float:
 def time_per_output_token(g: pd.DataFrame) -> list[float]:
     """Per request, the seconds per new token after the first (TPOT), in ms; none for a request without two tokens or
     a time to the first one (imported answers have none)."""
-    return [(w - t) / (n - 1) * 1e3 for w, t, n in zip(g["wall_s"], g["ttft_s"], g["new_tokens"])
-            if n > 1 and isinstance(t, (int, float)) and t == t]
+    return (1e3 * saved.decode_seconds_per_token(g)).dropna().tolist()
 
 
 def summary_row(g: pd.DataFrame, level: float) -> dict:

@@ -47,10 +47,12 @@ def test_the_decode_phase_speedup_leaves_the_prefill_out(tmp_path):
     t = _rows(tmp_path / "run")
     assert t.loc["sd", "speedup_median"] == pytest.approx(10 / 9.5)
     assert t.loc["sd", "speedup_decode"] == pytest.approx(2.0) and t.loc["ar", "speedup_decode"] == pytest.approx(1.0)
+    assert t.loc["sd", "tpot_ms"] == pytest.approx(500 / 9) and t.loc["ar", "tpot_ms"] == pytest.approx(1000 / 9)
     for r in recs:
         r["ttft_s"] = None
     _write_run(tmp_path / "bare", recs)
-    assert math.isnan(_rows(tmp_path / "bare").loc["sd", "speedup_decode"])
+    bare = _rows(tmp_path / "bare").loc["sd"]
+    assert math.isnan(bare["speedup_decode"]) and math.isnan(bare["tpot_ms"])
 
 
 def test_pooled_differs_from_median_when_lengths_differ(tmp_path):
