@@ -180,10 +180,13 @@ def batch_models(cfg: DictConfig, pair: Pair, prompts: list[list[int]], methods:
     for lm in (pair.target, *pair.drafts[:batched_drafts], *(part for m in methods for part in m.batch_parts())):
         # GliDe's draft attends to the target's cache too: its batch forwards read the target's batch cache.
         reads = models["target"].cache if getattr(lm.module, "read_layers", None) is not None else None
+        sizes = cfg.get("compile_batch_sizes")
         graphs = CompiledLM(lm.module, longest, tuple(cfg.compile_buckets), role=lm.role,
-                            rows=int(cfg.batch_size), compiled=bool(cfg.compile), reads=reads)
+                            rows=int(cfg.batch_size), compiled=bool(cfg.compile), reads=reads,
+                            batch_sizes=None if sizes is None else tuple(sizes))
         log.info("the %s's batch forwards: %d rows%s", lm.role, graphs.cache.rows,
-                 f", compiled for {len(graphs.buckets)} row buckets (untimed)" if cfg.compile else ", eager")
+                 f", compiled for {len(graphs.buckets)} row buckets x batch sizes {list(graphs.batch_sizes)} (untimed)"
+                 if cfg.compile else ", eager")
         graphs.warm()
         graphs.check()
         lm.compiled = models[lm.role] = graphs

@@ -56,6 +56,9 @@ class RunSettings(Settings):
                           "and method alike (core/compiled.py)")
     compile_buckets: list[Annotated[int, Field(ge=1)]] = Field([1, 2, 4, 8, 16, 32, 64], min_length=1, description="with compile: a forward of "
                                        "n rows runs the smallest bucket >= n (larger: uncompiled)")
+    compile_batch_sizes: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None, description="with compile, batch_size > 1: running-row counts also compiled for (null: the powers of "
+        "two below batch_size)")
     batch_size: int = Field(1, ge=1, description="prompts decoded together, one target forward per step for all "
                             "(docs/batching.md); 1: one at a time")
     resume: str | None = Field(None, min_length=1, description="DIR: write the run (with -m: the sweep) into DIR, "

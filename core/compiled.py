@@ -31,6 +31,9 @@ How:
 - the output head runs inside the graph on every row (frozen and packed with the rest; one graph per bucket, whatever
   ``logits_to_keep`` is), and the rows whose logits are not kept are counted as waste; an uncompiled forward runs it on
   the kept rows only;
+- a batch (issue 41) keeps its running rows first, and a forward runs the graph for the smallest of the batch sizes
+  compiled (``compile_batch_sizes``; default the powers of two up to the batch) that holds them: a finished row past
+  it costs nothing, one inside it runs as padding, counted;
 - a forward of more rows than the largest bucket (a long prompt's prefill) runs the same code uncompiled (counted as
   ``uncompiled_calls``), as transformers' own compiled ``generate`` runs its prefill eagerly;
 - :meth:`CompiledLM.warm` compiles every bucket before anything is timed (compile seconds per bucket are in
@@ -106,6 +109,14 @@ def own_code(method):
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket holding ``n`` rows; None beyond the largest."""
     return next((b for b in buckets if b >= n), None)
+
+
+def compiled_batch_sizes(rows: int, asked: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The running-row counts a batch of ``rows`` compiles graphs for: ``asked`` below ``rows`` (None: the powers of two
+    below it), and ``rows``. A forward of the first r rows runs the smallest >= r, the finished rows past it left out,
+    as vLLM captures a CUDA graph per batch size and pads a batch to the next one."""
+    below = asked if asked is not None else [2 ** i for i in range(rows.bit_length())]
+    return tuple(sorted({int(r) for r in below if int(r) < rows} | {rows}))
 
 
 def logits_head(module):
@@ -195,15 +206,18 @@ class CompiledLM:
     """
 
     def __init__(self, module, max_len: int, buckets: tuple[int, ...] = BUCKETS, role: str = "target", rows: int = 1,
-                 compiled: bool = True, reads: RowCache | None = None):
+                 compiled: bool = True, reads: RowCache | None = None, batch_sizes: tuple[int, ...] | None = None):
         if not buckets or min(buckets) < 1:
             raise BenchError(f"compile_buckets must be row counts >= 1, got {list(buckets)}.")
+        if batch_sizes is not None and any(int(r) < 1 for r in batch_sizes):
+            raise BenchError(f"compile_batch_sizes must be row counts >= 1, got {list(batch_sizes)}.")
         self.module, self.role = module, role
         self.decoder = module.get_decoder() if hasattr(module, "get_decoder") else module.model
         self.head = logits_head(module)
         param = next(module.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
+        self.batch_sizes = compiled_batch_sizes(rows, batch_sizes)
         self.options = backend_of(self.device)
         # Room past the longest sequence for the largest forward's rows (padding, or a tree's rejected nodes).
         self.cache = RowCache(module.config, rows, max_len + 2 * max(self.buckets), self.dtype, self.device)
@@ -257,7 +271,12 @@ class CompiledLM:
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=ids.device)
         mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]  # (rows, 1, Q, L), additive
         embeds = with_swapped(self.embed(ids), swapped, fill)
-        other = {} if cross is None else {"cross": (list(zip(cross[0][0::2], cross[0][1::2])), cross[1])}
+        if cross is not None:  # the other model's rows this forward's rows are (sliced here, inside a graph: its
+            # inputs keep their fixed addresses, which CUDA graphs replay)
+            kv = cross[0] if self.cache.window is None else [t[self.cache.window] for t in cross[0]]
+            other = {"cross": (list(zip(kv[0::2], kv[1::2])), cross[1])}
+        else:
+            other = {}
         return lm_forward(self.decoder, None, self.cache, inputs_embeds=embeds, attention_mask=mask,
                           position_ids=self.cache.forward_lengths[:, None] + depth, **other).last_hidden_state
 
@@ -317,11 +336,11 @@ class CompiledLM:
             fill[i, :len(marks)] = vectors.to(self.device, self.dtype)
         return swapped, fill
 
-    def _cross(self, rows: list[RowForward | None], at, width: int) -> tuple | None:
-        """What a forward of ``rows`` on the cache rows ``at`` reads of the other model's cache: ``(keys and values
-        (len(at), n_kv, M, d) per read layer, visible (len(at), width, M) bool)``, each query row seeing the slots its
-        forward's ``cross_seen`` marks (a padding row none: the draft's cross-attention gives it zeros); None for a
-        module that reads its own cache only."""
+    def _cross(self, rows: list[RowForward | None], width: int) -> tuple | None:
+        """What a forward of ``rows`` reads of the other model's cache: ``(keys and values (rows of the cache, n_kv, M,
+        d) per read layer, which the forward slices to its own rows, visible (len(rows), width, M) bool)``, each query
+        row seeing the slots its forward's ``cross_seen`` marks (a padding row none: the draft's cross-attention gives
+        it zeros); None for a module that reads its own cache only."""
         if not self.cross_kv:
             return None
         visible = torch.zeros(len(rows), width, self.cross_len, dtype=torch.bool)
@@ -329,9 +348,7 @@ class CompiledLM:
             if r is not None and r.cross_seen is not None:
                 n, m = r.cross_seen.shape
                 visible[i, :n, :m] = r.cross_seen
-        part = len(at) < self.cache.rows
-        kv = tuple(t[at[0]:at[-1] + 1] for t in self.cross_kv) if part else self.cross_kv
-        return kv, visible.to(self.device)
+        return self.cross_kv, visible.to(self.device)
 
     def _run(self, rows: list[RowForward | None]) -> list[tuple | None]:
         """One forward over the rows of the cache: row b's ``rows[b]`` (None: an idle row), each padded to the bucket
@@ -339,28 +356,32 @@ class CompiledLM:
         (len(keep), vocab), layer inputs ((1, n, hidden) per decoder layer))``, None for an idle row; each row's length
         then grows by its real rows.
 
-        A compiled graph reads every row, an idle one as padding. Uncompiled, the rows after the last running one are
-        not computed at all: a batch keeps its running rows first (:meth:`RowCache.move`), so a finished row stops
-        costing compute (issue 41), and a last, smaller group costs its own rows only.
+        A batch keeps its running rows first (:meth:`RowCache.move`), so a finished row stops costing compute (issue
+        41): uncompiled, the rows after the last running one are not computed at all; compiled, the first r rows run,
+        r the smallest of :attr:`batch_sizes` holding the running ones (the idle ones among them as padding, counted).
 
         A forward longer than the largest bucket (a prompt's prefill, uncompiled) runs each real row on its own slice
         of the cache instead: padding 8 prompts to the longest cost 4.5 s of prefill at B = 8 for a fifth of the work
         real (docs/batching.md), and at that many rows a single row already fills the kernels."""
         if len(rows) != self.cache.rows:
             raise ValueError(f"a forward of the compiled {self.role} reads all {self.cache.rows} rows of its cache")
-        longest = max(len(r.ids) if r is not None else 0 for r in rows)
-        if sum(r is not None for r in rows) < 2 or longest <= max(self.buckets):
-            start, end = 0, self.cache.rows
-            if self.eager or longest > max(self.buckets):  # uncompiled: the idle rows around the running ones left out
-                running = [b for b, r in enumerate(rows) if r is not None]
+        running = [b for b, r in enumerate(rows) if r is not None]
+        if not running:
+            raise ValueError(f"a forward of the compiled {self.role} with no running row")
+        longest = max(len(rows[b].ids) for b in running)
+        if len(running) < 2 or longest <= max(self.buckets):
+            compiled = not self.eager and longest <= max(self.buckets)
+            if compiled:  # the first rows, as many as the smallest compiled batch size holding the running ones
+                start, end = 0, bucket_for(running[-1] + 1, self.batch_sizes)
+            else:  # uncompiled: the idle rows around the running ones left out
                 start, end = running[0], running[-1] + 1
-            out = self._forward(rows[start:end], range(start, end))
+            out = self._forward(rows[start:end], range(start, end), compiled)
             left_out = [self._left_out(b) for b in range(self.cache.rows)]
             self.ran = left_out[:start] + self.ran + left_out[end:]
             return [None] * start + out + [None] * (self.cache.rows - end)
         out, ran = [], []
         for b, r in enumerate(rows):
-            out.append(self._forward([r], [b])[0] if r is not None else None)
+            out.append(self._forward([r], range(b, b + 1), False)[0] if r is not None else None)
             ran.append(self.ran[0] if r is not None else self._left_out(b))
         self.ran = ran
         return out
@@ -369,13 +390,13 @@ class CompiledLM:
         """:attr:`ran`'s entry for cache row ``b`` when a forward left it out: nothing ran."""
         return (self.cache.lengths[b], 0, 0, 0, False, 0)
 
-    def _forward(self, rows: list[RowForward | None], at) -> list[tuple | None]:
-        """:meth:`_run`'s forward of ``rows`` on the cache rows ``at``: all of them, or a run of them (``range(i, j)``:
-        uncompiled, on that slice of the cache)."""
+    def _forward(self, rows: list[RowForward | None], at: range, compiled: bool) -> list[tuple | None]:
+        """:meth:`_run`'s forward of ``rows`` on the cache rows ``at`` (``range(i, j)``: all of them, or that slice of
+        the cache), ``compiled`` or not (compiled: ``at`` starts at 0 and holds one of :attr:`batch_sizes` rows)."""
         sizes = [len(r.ids) if r is not None else 0 for r in rows]
         lengths = [self.cache.lengths[b] for b in at]
         part = len(at) < self.cache.rows
-        q = None if self.eager or part else bucket_for(max(sizes), self.buckets)
+        q = bucket_for(max(sizes), self.buckets) if compiled else None
         width = q or max(sizes)
         if max(lengths) + width > self.cache.max_len:  # every row writes `width` rows, padding included
             raise BenchError(f"a {self.role} forward of {max(sizes)} rows at position {max(lengths)} passes "
@@ -392,7 +413,7 @@ class CompiledLM:
         attend = self.attended(q, width, lengths)
         visible_t = torch.stack(visible)[..., :attend].to(self.device)
         swapped, fill = self._swapped(rows, width)
-        cross = self._cross(rows, at, width)
+        cross = self._cross(rows, width)
         self.cache.lengths_t.copy_(torch.tensor(self.cache.lengths), non_blocking=True)
         self.ran = [(past, n, width, width if q is not None else (len(r.keep) if r else 0), q is not None, attend)
                     for past, r, n in zip(lengths, rows, sizes)]
@@ -538,29 +559,33 @@ class CompiledLM:
         self.cache.reset()
 
     def warm(self) -> None:
-        """Compile every bucket (untimed), largest first, and keep each one's seconds in :attr:`compile_s`. Graphs
-        compiled before (a sweep's kept model, a test's fixture) are reused while their guards hold; when they no longer
-        do, the buckets compile afresh on a new code object rather than piling a second set onto the old one's entries
-        (dynamo's recompile limit counts them): a ``torch._dynamo.reset()`` since, or a model class first made since,
-        which grows transformers' output-capturing registry, whose size the graphs guard on."""
+        """Compile every bucket (untimed), largest first, for each of :attr:`batch_sizes`, and keep each bucket's
+        seconds in :attr:`compile_s`. Graphs compiled before (a sweep's kept model, a test's fixture) are reused while
+        their guards hold; when they no longer do, the buckets compile afresh on a new code object rather than piling
+        a second set onto the old one's entries (dynamo's recompile limit counts them): a ``torch._dynamo.reset()``
+        since, or a model class first made since, which grows transformers' output-capturing registry, whose size the
+        graphs guard on."""
         if not self.compiles:
             return
         if self.compile_s and not self._graphs_hold():
             self.graph = torch.compile(own_code(self._scored), dynamic=False, fullgraph=True, mode=self.options["mode"])
-        with torch.inference_mode(), compile_settings(self.options, len(self.buckets)):
+        with torch.inference_mode(), compile_settings(self.options, len(self.buckets) * len(self.batch_sizes)):
             for q in sorted(self.buckets, reverse=True):
                 sync(self.device)
                 start = time.perf_counter()
-                self._warm_forward(q)
+                for rows in self.batch_sizes:
+                    self._warm_forward(q, rows)
                 sync(self.device)
                 self.compile_s[q] = round(time.perf_counter() - start, 3)
             self.cache.reset()
 
-    def _warm_forward(self, q: int) -> None:
-        """A forward of ``q`` rows in every cache row, on an emptied cache."""
+    def _warm_forward(self, q: int, rows: int | None = None) -> None:
+        """A forward of ``q`` query rows in each of the first ``rows`` cache rows (None: all), on an emptied cache."""
         self.cache.reset()
-        self._run([RowForward([0] * q, list(range(q)), None, torch.ones(q, q, dtype=torch.bool).tril(),
-                              torch.arange(q, device=self.device))] * self.cache.rows)
+        rows = self.cache.rows if rows is None else rows
+        row = RowForward([0] * q, list(range(q)), None, torch.ones(q, q, dtype=torch.bool).tril(),
+                         torch.arange(q, device=self.device))
+        self._run([row] * rows + [None] * (self.cache.rows - rows))
 
     def _graphs_hold(self) -> bool:
         """Whether the smallest bucket's graph runs without compiling again."""
@@ -580,8 +605,8 @@ class CompiledLM:
         through the cache, then ``new`` after them, against the same tokens read whole without any cache; and a
         one-token step against the same. Catches a graph that ignores or misreads its cache, a model whose logits
         are not its output head on its last hidden state, and a compiler that miscompiles. A cache of several rows
-        reads a sequence per row, row b's context ``b`` tokens longer (rows of different lengths in one forward).
-        After :meth:`warm` (it runs under :func:`no_recompiles`, where even a first compile is an error)."""
+        reads a sequence per row, row b's context ``b`` tokens longer (rows of different lengths in one forward), once
+        per compiled batch size on its first rows. After :meth:`warm` (it runs under :func:`no_recompiles`, where even a first compile is an error)."""
         rows, length = self.cache.rows, context + self.cache.rows + new
         # A module fed vectors, never token ids, has a one-row token table (EAGLE's draft layers, Hydra++'s prefix
         # layer): token ids would make every input the same, and the context invisible. It reads fixed random vectors,
@@ -615,21 +640,28 @@ class CompiledLM:
             hidden = lm_forward(self.decoder, None, inputs_embeds=vectors[s[0]][None], **other).last_hidden_state
             return self.head(hidden)[0].float()
 
+        # Each batch size's graphs on its first rows (the rest finished), as a batch runs them when rows finish.
+        sizes = sorted(self.batch_sizes if self.compiles else (rows,), reverse=True)
+        got: dict[tuple[int, int], list] = {}  # (batch size, row) -> the row's logits, forward by forward
         with torch.inference_mode(), no_recompiles():
-            self.new_cache(f"the compiled {self.role}'s check")
-            try:
-                got = [[] for _ in range(rows)]
-                for part in (lambda s: s[:, :-new], lambda s: s[:, -new:], lambda s: s[:, :1]):  # a step after them
-                    for b, out in enumerate(self.forward_rows([request(part(s), b) for b, s in enumerate(seqs)])):
-                        got[b].append(out.logits[0].float())
-            finally:
-                self.release()
+            for size in sizes:
+                self.new_cache(f"the compiled {self.role}'s check")
+                try:
+                    for part in (lambda s: s[:, :-new], lambda s: s[:, -new:], lambda s: s[:, :1]):  # a step after
+                        outs = self.forward_rows([request(part(s), b) if b < size else None
+                                                  for b, s in enumerate(seqs)])
+                        for b in range(size):
+                            got.setdefault((size, b), []).append(outs[b].logits[0].float())
+                finally:
+                    self.release()
             for b, s in enumerate(seqs):
                 whole, alone = eager(s, b), eager(s[:, -new:], b)
                 ref_step = eager(torch.cat([s, s[:, :1]], 1), b)[-1:]
-                self._compare(torch.cat(got[b]), torch.cat([whole, ref_step]), alone, whole[-new:], b)
+                for size in (size for size in sizes if b < size):
+                    self._compare(torch.cat(got[size, b]), torch.cat([whole, ref_step]), alone, whole[-new:], b, size)
 
-    def _compare(self, got: torch.Tensor, ref: torch.Tensor, alone: torch.Tensor, after: torch.Tensor, b: int) -> None:
+    def _compare(self, got: torch.Tensor, ref: torch.Tensor, alone: torch.Tensor, after: torch.Tensor, b: int,
+                 size: int) -> None:
         """One sentence when ``got`` (the compiled forwards' logits) is not ``ref`` (the eager model's) within the
         dtype's tolerance, or not clearly nearer to it than the context changes the logits (``alone``: the last tokens
         read without their context, ``after``: with it)."""
@@ -640,7 +672,7 @@ class CompiledLM:
         context_effect = (alone - after)[after.isfinite()].abs().max().item()
         tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
         if not error <= tolerance * max(scale, 1.0) or (context_effect > 0 and not error < 0.25 * context_effect):
-            where = f" (row {b} of its cache)" if self.cache.rows > 1 else ""
+            where = f" (row {b} of its cache, {size} rows running)" if self.cache.rows > 1 else ""
             raise BenchError(f"the compiled {self.role}'s logits are {error:.3g} away from the eager model's for the "
                              f"same tokens{where} (largest logit {scale:.3g}); compile=false runs it uncompiled.")
 
@@ -648,7 +680,8 @@ class CompiledLM:
         """What ``run.json`` says about the compiled model."""
         options = self.options if self.compiles else {}  # an eager batch: nothing compiled
         return {**options, "compiled": self.compiles, "rows": self.cache.rows,
-                "buckets": list(self.buckets), "compile_s": dict(self.compile_s), "reused": self.reused,
+                "buckets": list(self.buckets), **({"batch_sizes": list(self.batch_sizes)} if self.compiles else {}),
+                "compile_s": dict(self.compile_s), "reused": self.reused,
                 "cache_positions": self.cache.max_len, "cache_bytes": self.cache.nbytes,
                 "torch": torch.__version__}
 

@@ -48,7 +48,7 @@ class RowLayer(CacheLayerMixin):
                                "not go through core.compiled.CompiledLM)")
         rows, heads, q, dim = key_states.shape
         device = key_states.device
-        window = self.owner.window  # None: every row; a slice of one row for a forward of that row alone
+        window = self.owner.window  # None: every row; else the rows this forward computes
         keys, values = (self.keys, self.values) if window is None else (self.keys[window], self.values[window])
         slots = self.owner.forward_lengths[:, None, None] + torch.arange(q, device=device)  # (rows, 1, q)
         # index_put_, not scatter_: inductor writes it in place, where a scatter_ into the cache (a graph input) became
@@ -89,8 +89,9 @@ class RowCache(Cache):
         self.lengths = [0] * rows
         self.lengths_t = torch.zeros(rows, dtype=torch.long, device=device)
         self.writer = None  # the forward writing now (set by core.compiled.CompiledLM around each call)
-        # The rows the forward running now reads and writes: None, all; a slice of one row for a prefill row by row
-        # (set by core.compiled.CompiledLM, uncompiled forwards only).
+        # The rows the forward running now reads and writes: None, all; else a slice of them (the running rows of a
+        # batch, one row of a prefill row by row; set by core.compiled.CompiledLM, a Python constant its graphs are
+        # specialised on, one graph per compiled batch size).
         self.window: slice | None = None
         # The slots the forward now running reads, from 0 (set by each CompiledLM forward: up to the longest row's end,
         # core.compiled.CompiledLM.attended).

@@ -10,6 +10,7 @@ on the GPU under ``recipe=smoke``). What it checks:
 - bf16 (the harness's CUDA default): every method decodes; greedy outputs are not asserted equal, since a
   multi-token forward may round differently from one-token steps, which the harness's ``divergence`` column
   names per record (near-tie or not);
+- a batch of 3 (issue 41), eager and compiled: GliDe's draft reading the target's batch cache, graphs per batch size;
 - the harness end to end: the clock, the CUDA peak memory (``torch.cuda.max_memory_allocated``) and the decode's own
   peak within it, each method's own bytes, the GPU's name, and the compiled reference ``reference=auto`` times there.
 
@@ -117,6 +118,26 @@ def test_the_harness_on_the_device(compose_cfg, on_device, tmp_path):
         assert all(r["matches_baseline"] or r["divergence"]["tie"] for r in records if r["method"] == "ar_compiled")
     else:  # no per-decode peak on the CPU, and no reference unless asked for
         assert all(r["peak_decode_bytes"] is None and "speedup_vs_ref" not in r for r in records)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_batch_on_the_device(compose_cfg, tmp_path, compiled):
+    """Issue 41 on the device: ``glide`` (its draft reads the target's batch cache) against ``ar`` at B = 3, eager, then
+    compiled (CUDA graphs per token bucket and per batch size, 1, 2 and 3 rows, the finished rows left out): every
+    row is ``ar``'s at the same B, but for a rounding flip at a near-tie, which the record names."""
+    from bench.runner import run as harness_run
+
+    harness_run(compose_cfg("pair=tiny", "method=glide", f"device={DEVICE}", "dtype=float32", "max_new_tokens=8",
+                            "dataset.n_prompts=4", "warmup=1", "batch_size=3", f"compile={str(compiled).lower()}",
+                            "compile_buckets=[1,4,16]"), tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    prov = json.loads((tmp_path / "run.json").read_text())
+    assert {r["method"] for r in records} == {"glide", "ar"} and len(records) == 8
+    assert all(r["batch_size"] == 3 for r in records)
+    assert all(r["matches_baseline"] or r["divergence"]["tie"] for r in records if r["method"] == "glide")
+    assert prov["compile"]["target"]["compiled"] == compiled
+    if compiled:
+        assert prov["compile"]["target"]["batch_sizes"] == [1, 2, 3]
 
 
 def test_the_static_reference_on_the_device(compose_cfg, tmp_path):

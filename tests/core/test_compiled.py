@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from core.compiled import CompiledLM, bucket_for, no_recompiles
+from core.compiled import CompiledLM, bucket_for, compiled_batch_sizes, no_recompiles
 from core.counting import CountedLM
 from core.errors import BenchError
 from core.kv_cache import lm_forward
@@ -225,3 +225,11 @@ def test_a_prefill_longer_than_the_largest_bucket_runs_row_by_row_unpadded(tiny_
             if p is not None:
                 whole = lm_forward(module, torch.cat([p, ids[:1]])[None]).logits[0, -1]
                 assert torch.allclose(out.logits[0, -1], whole, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows, asked, sizes", [(1, None, (1,)), (8, None, (1, 2, 4, 8)), (6, None, (1, 2, 4, 6)),
+                                                (8, (3, 16), (3, 8)), (8, (), (8,))])
+def test_a_batch_compiles_graphs_for_the_batch_sizes_below_it(rows, asked, sizes):
+    """The running-row counts a compiled batch has graphs for (``compile_batch_sizes``): the powers of two below it by
+    default, what is asked below it otherwise, and itself always."""
+    assert compiled_batch_sizes(rows, asked) == sizes

@@ -26,8 +26,9 @@ def good_pair(tiny_pair):
 
 @pytest.fixture(scope="module")
 def batch_graphs(tiny_pair):
-    """The tiny target's forwards over a cache of BATCH rows; compiled only where a test warms them."""
-    return CompiledLM(tiny_pair.target.module, max_len=1024, buckets=(1, 4, 16), rows=BATCH)
+    """The tiny target's forwards over a cache of BATCH rows; compiled only where a test warms them, for the first 2
+    rows and for all 3."""
+    return CompiledLM(tiny_pair.target.module, max_len=1024, buckets=(1, 4, 16), rows=BATCH, batch_sizes=(2,))
 
 
 @pytest.fixture(scope="module")
@@ -104,9 +105,21 @@ def test_each_row_of_a_batch_decodes_what_it_decodes_alone(name, good_pair, batc
 
 
 def test_a_compiled_batch_decodes_what_each_row_decodes_alone(good_pair, batch_graphs):
-    """The same through the compiled graphs (a graph per bucket for all rows at once), with a row that stops at EOS
-    first: it idles as padding while the others run on; pld's chains of different lengths per row share a bucket."""
+    """The same through the compiled graphs (a graph per bucket for the first 2 rows and for all 3), with a row that
+    stops at EOS first: the last row takes its place and the 2-row graphs run from then on, until one row is left,
+    which still runs the 2-row graphs, the other row as padding; pld's chains of different lengths per row share a
+    bucket."""
     batch_graphs.warm()
+    assert batch_graphs.batch_sizes == (2, 3)
+    computed, run_rows = [], batch_graphs._run
+
+    def counted(rows):  # per forward: the rows running, the rows computed
+        out = run_rows(rows)
+        last = max(b for b, r in enumerate(rows) if r is not None) + 1
+        computed.append((last, sum(ran[2] > 0 for ran in batch_graphs.ran)))
+        return out
+
+    batch_graphs._run = counted
     pair = batched(good_pair, batch_graphs)
     rows = prompts(good_pair)
     alone = build(good_pair, "pld")
@@ -115,11 +128,17 @@ def test_a_compiled_batch_decodes_what_each_row_decodes_alone(good_pair, batch_g
     stop = refs[1].output_ids[2]  # row 1's third token ends it there
     method.eos_ids = method.eos_ids | {stop}
     alone.eos_ids = method.eos_ids
-    with no_recompiles():
-        got = decode_batch(method, rows, 16)
+    try:
+        with no_recompiles():
+            got = decode_batch(method, rows, 16)
+    finally:
+        del batch_graphs._run
     for ids, out in zip(rows, got):
         assert out.output_ids == run(alone, ids, 16).output_ids
     assert got[1].output_ids[-1] == stop and len(got[1].output_ids) < len(got[0].output_ids)
+    steps = computed[1:]  # after the prefill (row by row, uncompiled)
+    assert all(done == (2 if last <= 2 else 3) for last, done in steps)  # the smallest compiled size holding them
+    assert steps[0] == (3, 3) and (2, 2) in steps  # all three rows, then two once row 1 stopped
     counts = pair.target.stats()
     assert counts["uncompiled_calls"] == BATCH  # the prefill (40 rows, beyond the largest bucket), once per row
     assert counts["padded_tokens"] > 0
@@ -229,7 +248,7 @@ def test_a_batch_runs_every_rows_glide_draft_in_one_forward(good_pair, batch_gra
     assert draft.stats()["padded_flops"] > 0  # the idle rows' and the target's unseen slots' share, counted
 
 
-@pytest.mark.newest_only  # compiles two graphs (a minute here); the eager batch above runs under both releases
+@pytest.mark.newest_only  # compiles four graphs (a minute or two here); the eager batch above runs under both releases
 def test_a_compiled_glide_draft_reads_the_targets_compiled_batch_cache(good_pair, batch_graphs):
     """The same through compiled graphs on both sides: the target's batch cache's keys and values, and which of them
     each query row sees, are inputs of the draft's graphs (never constants frozen into them), and every row decodes
@@ -239,7 +258,7 @@ def test_a_compiled_glide_draft_reads_the_targets_compiled_batch_cache(good_pair
     method, alone = build(pair, "glide"), build(good_pair, "glide")
     [draft] = method.batch_parts()
     draft.compiled = CompiledLM(draft.module, max_len=1024, buckets=(1, 4), role=draft.role, rows=BATCH,
-                                reads=batch_graphs.cache)  # its steps read 1 or 2 tokens; a prompt runs uncompiled
+                                reads=batch_graphs.cache, batch_sizes=(2,))  # steps of 1 or 2 tokens; prompts eager
     draft.compiled.warm()
     draft.compiled.check()
     decode_compiled_rows(method, alone, prompts(good_pair))
