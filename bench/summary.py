@@ -43,15 +43,36 @@ DISPLAY_QUALITY = ["token_agreement", "rougeL_vs_baseline", "exact_match", "roug
 SHOWN_POSITIONS = 5  # acceptance by position: the first few in the display form, all of them in csv
 
 
-def bootstrap_ci(values, level: float = 0.95, n: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap confidence interval of the median over prompts (resampling prompts)."""
-    x = np.asarray(metrics.present(values), dtype=float)
-    if x.size == 0:
+def bootstrap_ci(values, level: float = 0.95, n: int = 2000, seed: int = 0, groups=None) -> tuple[float, float]:
+    """Percentile bootstrap confidence interval of the median over prompts: prompts resampled, or, where ``groups``
+    gives each value's group (:func:`batch_groups`), whole groups with their prompts, since the rows of a batch share
+    one clock and their speedups move together (a cluster bootstrap). NaN with fewer than two groups: one batch of 8
+    prompts is one paired measurement, whatever its 8 rows' spread."""
+    keys = list(range(len(values))) if groups is None else list(groups)
+    kept = [(k, float(v)) for k, v in zip(keys, values) if metrics.present([v])]
+    clusters: dict = {}
+    for k, v in kept:
+        clusters.setdefault(k, []).append(v)
+    if not kept or len(clusters) < min(2, len(kept)):
         return math.nan, math.nan
     rng = np.random.default_rng(seed)
-    medians = np.median(x[rng.integers(0, x.size, size=(n, x.size))], axis=1)
     tail = (1 - level) / 2 * 100
+    if len(clusters) == len(kept):  # one value per group: prompts resampled
+        x = np.asarray([v for _, v in kept])
+        medians = np.median(x[rng.integers(0, x.size, size=(n, x.size))], axis=1)
+    else:
+        members = [np.asarray(v) for v in clusters.values()]
+        medians = np.array([np.median(np.concatenate([members[i] for i in rng.integers(0, len(members), len(members))]))
+                            for _ in range(n)])
     return float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
+
+
+def batch_groups(g: pd.DataFrame) -> list:
+    """Per record of ``g``, the group it was decoded in: its batch (the group's size, seconds and new tokens, which its
+    rows share and no other group has), or the record itself when decoded alone."""
+    batches = g["batch"] if "batch" in g else [None] * len(g)
+    return [(b["size"], b["wall_s"], b["new_tokens"]) if isinstance(b, dict) else ("alone", i)
+            for i, b in enumerate(batches)]
 
 
 def _list(x) -> list:
@@ -123,7 +144,7 @@ def summary_row(g: pd.DataFrame, level: float) -> dict:
     drafting = any(dr)
     tokens = g["new_tokens"].sum()
     paired = g[g["speedup"].notna()]  # records with their run's baseline record of the same prompt
-    lo, hi = bootstrap_ci(g["speedup"], level)
+    lo, hi = bootstrap_ci(list(g["speedup"]), level, groups=batch_groups(g))
     alpha = metrics.alpha_estimate(acc, dr) if drafting else math.nan
     gamma = metrics.ratio(sum(dr), len(dr)) if drafting else math.nan
     c = metrics.median(g["cost_ratio_c"]) if "cost_ratio_c" in g else math.nan
@@ -156,7 +177,7 @@ def summary_row(g: pd.DataFrame, level: float) -> dict:
         "latency_p90_s": metrics.quantile(g["wall_s"], 0.9),
         "latency_p99_s": metrics.quantile(g["wall_s"], 0.99),
         "speedup_median": metrics.median(g["speedup"]),  # median over prompts of the paired per-prompt speedup
-        "speedup_lo": lo,  # percentile bootstrap interval of that median (prompts resampled)
+        "speedup_lo": lo,  # percentile bootstrap interval of that median (prompts resampled; a batch's rows together)
         "speedup_hi": hi,
         "speedup_q25": metrics.quantile(g["speedup"], 0.25),  # spread of the per-prompt speedups across prompts
         "speedup_q75": metrics.quantile(g["speedup"], 0.75),
@@ -267,8 +288,8 @@ def display_table(table: pd.DataFrame) -> pd.DataFrame:
     """The table for people: the median speedup with its interval in one cell, the interquartile range of
     per-prompt speedups in another, the first acceptance positions, no all-empty columns."""
     t = table.copy()
-    t["speedup_median"] = [None if math.isnan(s) else f"{s:.2f} [{lo:.2f}, {hi:.2f}]"
-                           for s, lo, hi in zip(t["speedup_median"], t["speedup_lo"], t["speedup_hi"])]
+    t["speedup_median"] = [None if math.isnan(s) else f"{s:.2f} [{lo:.2f}, {hi:.2f}]" if not math.isnan(lo) else
+                           f"{s:.2f} [one batch]" for s, lo, hi in zip(t["speedup_median"], t["speedup_lo"], t["speedup_hi"])]
     t["speedup_iqr"] = [None if math.isnan(a) else f"{a:.2f}–{b:.2f}" for a, b in zip(t["speedup_q25"], t["speedup_q75"])]
     t["accept_by_position"] = t["accept_by_position"].map(short_positions)
     for c in MEMORY:
@@ -282,7 +303,8 @@ def display_table(table: pd.DataFrame) -> pd.DataFrame:
 def legend(level: float = 0.95) -> str:
     """What the speedup and tie columns mean, in one line (with every printed table and in the report)."""
     eps = ", ".join(f"{v:g} in {k}" for k, v in metrics.TIE_EPS.items())
-    return (f"speedup_median: median over prompts of the per-prompt paired speedup [{level:.0%} bootstrap interval]; "
+    return (f"speedup_median: median over prompts of the per-prompt paired speedup [{level:.0%} bootstrap interval, a "
+            "batch's rows resampled together; none from one batch]; "
             "speedup_iqr: its 25th-75th percentiles across prompts; speedup_pooled: total tokens / total seconds "
             "over the same prompts, over the baseline's; speedup_specbench: Spec-Bench's speed.py, mean tokens/s over "
             "mean baseline tokens/s (its answers re-tokenized); throughput: new tokens over seconds across all decodes, "

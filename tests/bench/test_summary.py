@@ -241,3 +241,19 @@ def test_a_batch_row_is_checked_against_ar_alone():
                                                      "temperature": 0.7, "output_sha": output_sha([9])}])
     got = matches_alone(df).tolist()
     assert got[1:3] == [1.0, 0.0] and all(math.isnan(v) for v in (got[0], got[3], got[4], got[5]))
+
+
+def test_a_batchs_rows_are_resampled_together():
+    """The speedup's interval resamples a batch's rows as one (they share one clock): 8 rows in one batch give no
+    interval however they spread, two batches of 4 one from the medians of whole batches drawn (the first twice, both,
+    the second twice), and records decoded alone the prompt bootstrap as before."""
+    from bench.summary import batch_groups, bootstrap_ci
+
+    values = [1.0, 1.1, 1.2, 1.3, 2.0, 2.1, 2.2, 2.3]
+    one = pd.DataFrame({"batch": [{"size": 8, "wall_s": 3.0, "new_tokens": 64}] * 8})
+    two = pd.DataFrame({"batch": [{"size": 4, "wall_s": s, "new_tokens": 32} for s in (1.0, 2.0) for _ in range(4)]})
+    alone = pd.DataFrame({"batch": [None] * 8})
+    assert all(math.isnan(v) for v in bootstrap_ci(values, groups=batch_groups(one)))
+    lo2, hi2 = bootstrap_ci(values, groups=batch_groups(two))
+    lo, hi = bootstrap_ci(values, groups=batch_groups(alone))
+    assert (lo2, hi2) == (pytest.approx(1.15), pytest.approx(2.15)) and (lo, hi) == bootstrap_ci(values) != (lo2, hi2)
