@@ -153,11 +153,8 @@ def run_key(method_cfg: dict, cfg: DictConfig, prompt_id: str, trained: bool = F
     if cfg.get("compile"):  # absent when eager: older run keys stay valid
         parts["compile"] = sorted(int(b) for b in cfg.compile_buckets)
         if int(cfg.get("batch_size") or 1) > 1:  # the graphs a batch's running rows choose from (issue 41)
-            from core.compiled import compiled_batch_sizes
-
             sizes = cfg.get("compile_batch_sizes")
-            parts["compile_batch_sizes"] = list(compiled_batch_sizes(int(cfg.batch_size),
-                                                                     None if sizes is None else tuple(sizes)))
+            parts["compile_batch_sizes"] = None if sizes is None else sorted(int(r) for r in sizes)
     if trained and cfg.get("recipe") is not None:  # absent otherwise: older run keys stay valid
         from training.recipes import store_key
 

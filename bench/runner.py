@@ -280,6 +280,15 @@ def previous_provenance(run_dir: Path) -> dict | None:
         return None
 
 
+def batch_sizes_of(cfg, pair) -> str | None:
+    """The running-row counts the target's compiled batch forwards have graphs for, as ``"1,2,4,8"``; None unless the
+    run is compiled at B > 1."""
+    graphs = getattr(pair.target, "compiled", None)
+    if not cfg.get("compile") or int(cfg.get("batch_size") or 1) < 2 or graphs is None:
+        return None
+    return ",".join(str(r) for r in graphs.batch_sizes)
+
+
 def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float, sampling: Sampling) -> dict:
     """One prompt's record from one timed decode (``c``: the run's measured draft/target cost ratio)."""
     decoded = run["decoded"]
@@ -305,6 +314,8 @@ def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float, samp
         # Prompts decoded together (docs/batching.md): this one's group's size, seconds and new tokens (None at 1).
         "batch_size": int(cfg.get("batch_size") or 1),
         "batch": run.get("batch"),
+        # Compiled at B > 1: the running-row counts with graphs of their own ("1,2,4,8"; core/compiled.py), else None.
+        "compile_batch_sizes": batch_sizes_of(cfg, pair),
         "method_cfg": method.cfg.model_dump(mode="json"),
         # The training recipe behind the method's trained parts (draft, heads, verifier): its name, or
         # name~<hash> when its settings were overridden; None: nothing trained.

@@ -19,7 +19,8 @@ from core import files
 from core.errors import BenchError
 
 # Run settings that, when they vary across the loaded records, become part of a row's label.
-LABEL_KEYS = ("temperature", "top_p", "max_new_tokens", "compile", "batch_size")
+LABEL_KEYS = ("temperature", "top_p", "max_new_tokens", "compile", "batch_size", "compile_batch_sizes")
+SET_ONLY = {"compile_batch_sizes"}  # named where set (None: not compiled at B > 1), when its set values differ
 # What makes two records of one run directory a pair: the same prompt decoded under the same settings.
 PAIR_KEYS = ["run_dir", "pair", "dataset", "prompt_id", "temperature", "top_p", "max_new_tokens", "seed"]
 # The optimised plain-decoding reference's names in records (bench.reference.NAMES, without importing transformers).
@@ -107,10 +108,10 @@ def matches_alone(df: pd.DataFrame) -> pd.Series:
 def labels(df: pd.DataFrame, axis: str | None = None) -> pd.Series:
     """A row label per record: the method's name, the training recipe behind a trained method, the settings the
     method always names (koala's base), then whichever of its settings (and of temperature, top_p,
-    max_new_tokens, compile, batch_size) vary across the loaded records, e.g. ``sd (recipe=quick, gamma=2, temperature=0.7)``.
+    max_new_tokens, compile, batch_size, compile_batch_sizes) vary across the loaded records, e.g. ``sd (recipe=quick, gamma=2, temperature=0.7)``.
     ``axis``: one of those run settings left out (a plot's x axis: the label then names one line over its values)."""
     cfg_json = df["method_cfg"].map(lambda c: json.dumps(c, sort_keys=True))
-    varying_global = [k for k in LABEL_KEYS if k in df and k != axis and df[k].nunique(dropna=False) > 1]
+    varying_global = [k for k in LABEL_KEYS if k in df and k != axis and df[k].nunique(dropna=k not in SET_ONLY) > 1]
     varying_cfg: dict[str, list[str]] = {}
     for method, group in df.groupby("method"):
         cfgs = [json.loads(s) for s in cfg_json[group.index].unique()]
@@ -124,7 +125,7 @@ def labels(df: pd.DataFrame, axis: str | None = None) -> pd.Series:
         recipe = r.get("recipe") if "recipe" in r else None
         parts = [f"recipe={recipe}"] if isinstance(recipe, str) else []
         parts += [f"{k}={r['method_cfg'].get(k)}" for k in varying_cfg[r["method"]]]
-        parts += [f"{k}={r[k]}" for k in varying_global]
+        parts += [f"{k}={r[k]}" for k in varying_global if not (k in SET_ONLY and not isinstance(r[k], str))]
         return f"{r['method']} ({', '.join(parts)})" if parts else str(r["method"])
 
     return pd.Series([label(i) for i in df.index], index=df.index)

@@ -289,7 +289,8 @@ def display_table(table: pd.DataFrame) -> pd.DataFrame:
     per-prompt speedups in another, the first acceptance positions, no all-empty columns."""
     t = table.copy()
     t["speedup_median"] = [None if math.isnan(s) else f"{s:.2f} [{lo:.2f}, {hi:.2f}]" if not math.isnan(lo) else
-                           f"{s:.2f} [one batch]" for s, lo, hi in zip(t["speedup_median"], t["speedup_lo"], t["speedup_hi"])]
+                           f"{s:.2f} [one batch]"
+                           for s, lo, hi in zip(t["speedup_median"], t["speedup_lo"], t["speedup_hi"])]
     t["speedup_iqr"] = [None if math.isnan(a) else f"{a:.2f}–{b:.2f}" for a, b in zip(t["speedup_q25"], t["speedup_q75"])]
     t["accept_by_position"] = t["accept_by_position"].map(short_positions)
     for c in MEMORY:

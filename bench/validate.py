@@ -58,7 +58,7 @@ class RunSettings(Settings):
                                        "n rows runs the smallest bucket >= n (larger: uncompiled)")
     compile_batch_sizes: list[Annotated[int, Field(ge=1)]] | None = Field(
         None, description="with compile, batch_size > 1: running-row counts also compiled for (null: the powers of "
-        "two below batch_size)")
+        "two below batch_size on CUDA, none on CPU)")
     batch_size: int = Field(1, ge=1, description="prompts decoded together, one target forward per step for all "
                             "(docs/batching.md); 1: one at a time")
     resume: str | None = Field(None, min_length=1, description="DIR: write the run (with -m: the sweep) into DIR, "

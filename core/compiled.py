@@ -32,8 +32,8 @@ How:
   ``logits_to_keep`` is), and the rows whose logits are not kept are counted as waste; an uncompiled forward runs it on
   the kept rows only;
 - a batch (issue 41) keeps its running rows first, and a forward runs the graph for the smallest of the batch sizes
-  compiled (``compile_batch_sizes``; default the powers of two up to the batch) that holds them: a finished row past
-  it costs nothing, one inside it runs as padding, counted;
+  compiled (``compile_batch_sizes``; by default the powers of two below the batch on CUDA, the batch only on the CPU)
+  that holds them: a finished row past it costs nothing, one inside it runs as padding, counted;
 - a forward of more rows than the largest bucket (a long prompt's prefill) runs the same code uncompiled (counted as
   ``uncompiled_calls``), as transformers' own compiled ``generate`` runs its prefill eagerly;
 - :meth:`CompiledLM.warm` compiles every bucket before anything is timed (compile seconds per bucket are in
@@ -111,11 +111,14 @@ def bucket_for(n: int, buckets: tuple[int, ...]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
-def compiled_batch_sizes(rows: int, asked: tuple[int, ...] | None) -> tuple[int, ...]:
-    """The running-row counts a batch of ``rows`` compiles graphs for: ``asked`` below ``rows`` (None: the powers of two
-    below it), and ``rows``. A forward of the first r rows runs the smallest >= r, the finished rows past it left out,
-    as vLLM captures a CUDA graph per batch size and pads a batch to the next one."""
-    below = asked if asked is not None else [2 ** i for i in range(rows.bit_length())]
+def compiled_batch_sizes(rows: int, asked: tuple[int, ...] | None, device: torch.device) -> tuple[int, ...]:
+    """The running-row counts a batch of ``rows`` compiles graphs for: ``asked`` below ``rows``, and ``rows``. A forward
+    of the first r rows runs the smallest >= r, the finished rows past it left out, as vLLM captures a CUDA graph per
+    batch size and pads a batch to the next one. By default (``asked`` None) the powers of two below ``rows`` on CUDA,
+    none on the CPU: there each graph holds its own frozen copy of the weights (SmolLM2-135M at B = 8, buckets 1, 4,
+    16: 12 graphs took 11.7 GB and 12 minutes to compile, against 3.8 GB and 3 minutes for the 8-row graphs alone,
+    and were not faster; docs/batching.md)."""
+    below = asked if asked is not None else [2 ** i for i in range(rows.bit_length())] if device.type == "cuda" else []
     return tuple(sorted({int(r) for r in below if int(r) < rows} | {rows}))
 
 
@@ -217,7 +220,7 @@ class CompiledLM:
         param = next(module.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
-        self.batch_sizes = compiled_batch_sizes(rows, batch_sizes)
+        self.batch_sizes = compiled_batch_sizes(rows, batch_sizes, self.device)
         self.options = backend_of(self.device)
         # Room past the longest sequence for the largest forward's rows (padding, or a tree's rejected nodes).
         self.cache = RowCache(module.config, rows, max_len + 2 * max(self.buckets), self.dtype, self.device)
@@ -606,7 +609,8 @@ class CompiledLM:
         one-token step against the same. Catches a graph that ignores or misreads its cache, a model whose logits
         are not its output head on its last hidden state, and a compiler that miscompiles. A cache of several rows
         reads a sequence per row, row b's context ``b`` tokens longer (rows of different lengths in one forward), once
-        per compiled batch size on its first rows. After :meth:`warm` (it runs under :func:`no_recompiles`, where even a first compile is an error)."""
+        per compiled batch size on its first rows. After :meth:`warm` (it runs under :func:`no_recompiles`, where even
+        a first compile is an error)."""
         rows, length = self.cache.rows, context + self.cache.rows + new
         # A module fed vectors, never token ids, has a one-row token table (EAGLE's draft layers, Hydra++'s prefix
         # layer): token ids would make every input the same, and the context invisible. It reads fixed random vectors,

@@ -136,8 +136,8 @@ def test_a_batch_on_the_device(compose_cfg, tmp_path, compiled):
     assert all(r["batch_size"] == 3 for r in records)
     assert all(r["matches_baseline"] or r["divergence"]["tie"] for r in records if r["method"] == "glide")
     assert prov["compile"]["target"]["compiled"] == compiled
-    if compiled:
-        assert prov["compile"]["target"]["batch_sizes"] == [1, 2, 3]
+    if compiled:  # graphs per batch size by default on CUDA; on the CPU (a dry run) the batch's only
+        assert prov["compile"]["target"]["batch_sizes"] == ([1, 2, 3] if DEVICE.startswith("cuda") else [3])
 
 
 def test_the_static_reference_on_the_device(compose_cfg, tmp_path):

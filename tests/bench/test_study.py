@@ -421,6 +421,20 @@ def test_labels_name_the_recipe_behind_trained_methods(tmp_path):
     assert len(table[table["method"] == "sd"]) == 2
 
 
+def test_labels_name_the_compiled_batch_sizes_where_runs_differ(tmp_path):
+    """Two compiled runs at B = 8, one with graphs for 8 rows only and one for 1, 2, 4 and 8, are two rows; a run at
+    B = 1 beside them (no batch sizes) is not labelled with any."""
+    from bench import saved
+
+    runs = {"one": (8, "8"), "all": (8, "1,2,4,8"), "alone": (1, None)}
+    for name, (batch, sizes) in runs.items():
+        _write_run(tmp_path / name, [{**_record("pld", "p1", "qa", 1.0), "compile": True, "batch_size": batch,
+                                      "compile_batch_sizes": sizes}])
+    df, _ = saved.load([str(tmp_path)])
+    assert sorted(df["label"].unique()) == ["pld (batch_size=1)", "pld (batch_size=8, compile_batch_sizes=1,2,4,8)",
+                                            "pld (batch_size=8, compile_batch_sizes=8)"]
+
+
 def test_batch_figures_draw_one_line_per_method_over_the_batch_sizes(tmp_path):
     """Issue 41's figures: sd's speedup at B = 1, 2, 4 (3x, 2x, 1x, over ar at the same B) is one line of three
     points, each at its batch size; throughput against per-token latency has one point per B per method; a single

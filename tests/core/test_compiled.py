@@ -227,9 +227,11 @@ def test_a_prefill_longer_than_the_largest_bucket_runs_row_by_row_unpadded(tiny_
                 assert torch.allclose(out.logits[0, -1], whole, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows, asked, sizes", [(1, None, (1,)), (8, None, (1, 2, 4, 8)), (6, None, (1, 2, 4, 6)),
-                                                (8, (3, 16), (3, 8)), (8, (), (8,))])
-def test_a_batch_compiles_graphs_for_the_batch_sizes_below_it(rows, asked, sizes):
-    """The running-row counts a compiled batch has graphs for (``compile_batch_sizes``): the powers of two below it by
-    default, what is asked below it otherwise, and itself always."""
-    assert compiled_batch_sizes(rows, asked) == sizes
+@pytest.mark.parametrize("rows, asked, device, sizes", [
+    (1, None, "cuda", (1,)), (8, None, "cuda", (1, 2, 4, 8)), (6, None, "cuda", (1, 2, 4, 6)), (8, None, "cpu", (8,)),
+    (8, (3, 16), "cpu", (3, 8)), (8, (), "cuda", (8,))])
+def test_a_batch_compiles_graphs_for_the_batch_sizes_below_it(rows, asked, device, sizes):
+    """The running-row counts a compiled batch has graphs for (``compile_batch_sizes``): by default the powers of two
+    below it on CUDA, none on the CPU (each graph a frozen copy of the weights there), what is asked below it
+    otherwise, and itself always."""
+    assert compiled_batch_sizes(rows, asked, torch.device(device)) == sizes
