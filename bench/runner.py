@@ -314,7 +314,10 @@ def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float, samp
         # Prompts decoded together (docs/batching.md): this one's group's size, seconds and new tokens (None at 1).
         "batch_size": int(cfg.get("batch_size") or 1),
         "batch": run.get("batch"),
-        # Compiled at B > 1: the running-row counts with graphs of their own ("1,2,4,8"; core/compiled.py), else None.
+        # Compiled: the query-row buckets with graphs of their own ("1,2,4,8,16"), else None; at B > 1 also the
+        # running-row counts ("1,2,4,8"; core/compiled.py), else None.
+        "compile_buckets": ",".join(str(b) for b in sorted(int(b) for b in cfg.compile_buckets)) if cfg.get("compile")
+        else None,
         "compile_batch_sizes": batch_sizes_of(cfg, pair),
         "method_cfg": method.cfg.model_dump(mode="json"),
         # The training recipe behind the method's trained parts (draft, heads, verifier): its name, or

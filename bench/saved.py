@@ -19,8 +19,9 @@ from core import files
 from core.errors import BenchError
 
 # Run settings that, when they vary across the loaded records, become part of a row's label.
-LABEL_KEYS = ("temperature", "top_p", "max_new_tokens", "compile", "batch_size", "compile_batch_sizes")
-SET_ONLY = {"compile_batch_sizes"}  # named where set (None: not compiled at B > 1), when its set values differ
+LABEL_KEYS = ("temperature", "top_p", "max_new_tokens", "compile", "batch_size", "compile_buckets",
+              "compile_batch_sizes")
+SET_ONLY = {"compile_buckets", "compile_batch_sizes"}  # named where set (None: not compiled), when set values differ
 # What makes two records of one run directory a pair: the same prompt decoded under the same settings.
 PAIR_KEYS = ["run_dir", "pair", "dataset", "prompt_id", "temperature", "top_p", "max_new_tokens", "seed"]
 # The optimised plain-decoding reference's names in records (bench.reference.NAMES, without importing transformers).
@@ -108,7 +109,7 @@ def matches_alone(df: pd.DataFrame) -> pd.Series:
 def labels(df: pd.DataFrame, axis: str | None = None) -> pd.Series:
     """A row label per record: the method's name, the training recipe behind a trained method, the settings the
     method always names (koala's base), then whichever of its settings (and of temperature, top_p,
-    max_new_tokens, compile, batch_size, compile_batch_sizes) vary across the loaded records, e.g. ``sd (recipe=quick, gamma=2, temperature=0.7)``.
+    max_new_tokens, compile, batch_size, compile_buckets, compile_batch_sizes) vary across the loaded records, e.g. ``sd (recipe=quick, gamma=2, temperature=0.7)``.
     ``axis``: one of those run settings left out (a plot's x axis: the label then names one line over its values)."""
     cfg_json = df["method_cfg"].map(lambda c: json.dumps(c, sort_keys=True))
     varying_global = [k for k in LABEL_KEYS if k in df and k != axis and df[k].nunique(dropna=k not in SET_ONLY) > 1]

@@ -421,18 +421,25 @@ def test_labels_name_the_recipe_behind_trained_methods(tmp_path):
     assert len(table[table["method"] == "sd"]) == 2
 
 
-def test_labels_name_the_compiled_batch_sizes_where_runs_differ(tmp_path):
+def test_labels_name_the_compiled_batch_sizes_and_buckets_where_runs_differ(tmp_path):
     """Two compiled runs at B = 8, one with graphs for 8 rows only and one for 1, 2, 4 and 8, are two rows; a run at
-    B = 1 beside them (no batch sizes) is not labelled with any."""
+    B = 1 beside them (no batch sizes) is not labelled with any; runs that differ in their buckets only are two rows
+    too, and an eager run beside them names none."""
     from bench import saved
 
     runs = {"one": (8, "8"), "all": (8, "1,2,4,8"), "alone": (1, None)}
     for name, (batch, sizes) in runs.items():
         _write_run(tmp_path / name, [{**_record("pld", "p1", "qa", 1.0), "compile": True, "batch_size": batch,
-                                      "compile_batch_sizes": sizes}])
+                                      "compile_buckets": "1,4,16", "compile_batch_sizes": sizes}])
     df, _ = saved.load([str(tmp_path)])
     assert sorted(df["label"].unique()) == ["pld (batch_size=1)", "pld (batch_size=8, compile_batch_sizes=1,2,4,8)",
                                             "pld (batch_size=8, compile_batch_sizes=8)"]
+    buckets = tmp_path / "buckets"
+    for name, compiled, sizes in (("few", True, "1,4,16"), ("many", True, "1,2,4,8,16"), ("eager", False, None)):
+        _write_run(buckets / name, [{**_record("pld", "p1", "qa", 1.0), "compile": compiled, "compile_buckets": sizes}])
+    df, _ = saved.load([str(buckets)])
+    assert sorted(df["label"].unique()) == ["pld (compile=False)", "pld (compile=True, compile_buckets=1,2,4,8,16)",
+                                            "pld (compile=True, compile_buckets=1,4,16)"]
 
 
 def test_batch_figures_draw_one_line_per_method_over_the_batch_sizes(tmp_path):
