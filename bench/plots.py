@@ -62,8 +62,7 @@ def speedup_by_category(df: pd.DataFrame, runs: list[dict], table: pd.DataFrame)
             rows = sub[sub["label"] == lab]
             vals = [rows[rows["category"] == c]["speedup"] if c != "overall" else rows["speedup"] for c in cats]
             med = [np.nanmedian(v) if len(v) else np.nan for v in vals]
-            groups = summary.batch_groups(rows)
-            ci = [summary.bootstrap_ci(list(v), groups=[groups[rows.index.get_loc(i)] for i in v.index]) for v in vals]
+            ci = [summary.bootstrap_ci(list(v), groups=summary.batch_groups(rows.loc[v.index])) for v in vals]
             err = np.array([[m - lo for m, (lo, _) in zip(med, ci)], [hi - m for m, (_, hi) in zip(med, ci)]])
             x = np.arange(len(cats)) + (j - (len(labs) - 1) / 2) * width
             ax.bar(x, med, width, yerr=np.nan_to_num(err), capsize=1.5, label=lab, color=col[lab], error_kw={"lw": 0.6})

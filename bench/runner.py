@@ -280,11 +280,11 @@ def previous_provenance(run_dir: Path) -> dict | None:
         return None
 
 
-def batch_sizes_of(cfg, pair) -> str | None:
-    """The running-row counts the target's compiled batch forwards have graphs for, as ``"1,2,4,8"``; None unless the
-    run is compiled at B > 1."""
+def batch_sizes_of(pair) -> str | None:
+    """The running-row counts the target's compiled batch forwards have graphs for, as ``"1,2,4,8"``; None unless its
+    forwards are compiled over a batch (B > 1)."""
     graphs = getattr(pair.target, "compiled", None)
-    if not cfg.get("compile") or int(cfg.get("batch_size") or 1) < 2 or graphs is None:
+    if graphs is None or not graphs.compiles or graphs.cache.rows < 2:
         return None
     return ",".join(str(r) for r in graphs.batch_sizes)
 
@@ -318,7 +318,7 @@ def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float, samp
         # running-row counts ("1,2,4,8"; core/compiled.py), else None.
         "compile_buckets": ",".join(str(b) for b in sorted(int(b) for b in cfg.compile_buckets)) if cfg.get("compile")
         else None,
-        "compile_batch_sizes": batch_sizes_of(cfg, pair),
+        "compile_batch_sizes": batch_sizes_of(pair),
         "method_cfg": method.cfg.model_dump(mode="json"),
         # The training recipe behind the method's trained parts (draft, heads, verifier): its name, or
         # name~<hash> when its settings were overridden; None: nothing trained.

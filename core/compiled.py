@@ -116,7 +116,7 @@ def compiled_batch_sizes(rows: int, asked: tuple[int, ...] | None, device: torch
     of the first r rows runs the smallest >= r, the finished rows past it left out, as vLLM captures a CUDA graph per
     batch size and pads a batch to the next one. By default (``asked`` None) the powers of two below ``rows`` on CUDA,
     none on the CPU: there each graph holds its own frozen copy of the weights (SmolLM2-135M at B = 8, buckets 1, 4,
-    16: 12 graphs took 11.7 GB and 12 minutes to compile, against 3.8 GB and 3 minutes for the 8-row graphs alone,
+    16: 12 graphs took 11.4 GiB and 12 minutes to compile, against 3.7 GiB and 3 minutes for the 8-row graphs alone,
     and were not faster; docs/batching.md)."""
     below = asked if asked is not None else [2 ** i for i in range(rows.bit_length())] if device.type == "cuda" else []
     return tuple(sorted({int(r) for r in below if int(r) < rows} | {rows}))
