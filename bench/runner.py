@@ -209,16 +209,34 @@ def uncompile(pair: Pair, keep: bool) -> None:
 
 def check_context(pair: Pair, prompts: list, encoded: list[list[int]], max_new: int) -> None:
     """One sentence when a prompt and the token budget do not fit the target's context (its config's
-    ``max_position_embeddings`` or ``n_positions``; a model that names none is not checked)."""
-    config = pair.target.module.config
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if not limit or not encoded:
+    ``max_position_embeddings`` or ``n_positions``; a model that names none is not checked), or pass a sliding
+    attention window of the target or a draft model (:func:`sliding_window`)."""
+    if not encoded:
         return
     longest = max(range(len(encoded)), key=lambda i: len(encoded[i]))
-    if len(encoded[longest]) + max_new > limit:
-        raise BenchError(f"prompt {prompts[longest].prompt_id} is {len(encoded[longest])} tokens; with "
-                         f"max_new_tokens={max_new} it passes the target's context of {limit} positions (a shorter "
-                         "dataset.input_tokens or budget fits).")
+    need = len(encoded[longest]) + max_new
+    said = f"prompt {prompts[longest].prompt_id} is {len(encoded[longest])} tokens; with max_new_tokens={max_new} it"
+    config = pair.target.module.config
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit and need > limit:
+        raise BenchError(f"{said} passes the target's context of {limit} positions (a shorter dataset.input_tokens or "
+                         "budget fits).")
+    for lm in (pair.target, *pair.drafts):
+        window = sliding_window(lm.module.config)
+        if window is not None and need > window:
+            raise BenchError(f"{said} passes the {lm.role}'s sliding attention window of {window} positions, which the "
+                             "harness's own attention masks (trees, the static cache) do not apply, so its tokens would "
+                             "not be the model's (a shorter dataset.input_tokens or budget fits).")
+
+
+def sliding_window(config) -> int | None:
+    """The positions a model's attention reaches back over when it slides (``sliding_window``: Mistral's, and
+    Qwen2's when ``use_sliding_window``), None when it does not. The harness passes its own masks to the model's
+    layers for trees and static caches, which attend over every cached position."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
 
 
 def method_cfgs(cfg: DictConfig) -> dict[str, DictConfig]:

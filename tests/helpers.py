@@ -134,6 +134,16 @@ def run(method, ids, max_new, temperature=0.0, seed=0):
                              gen, lambda n: None)
 
 
+def run_batch(method, prompts, max_new, temperature=0.0, seeds=None):
+    """One batch decode of ``prompts`` (token lists) with an already set-up method, on the batch forwards its pair's
+    models have (``lm.compiled`` with ``rows``); a generator per row, seeded by ``seeds`` (0 each by default)."""
+    device = method.pair.device
+    gens = [torch.Generator(device=device).manual_seed(s) for s in (seeds or [0] * len(prompts))]
+    with torch.inference_mode():
+        return method.decode_batch([torch.tensor([p], device=device) for p in prompts], max_new,
+                                   Sampling(temperature, 1.0), gens, [lambda n: None] * len(prompts))
+
+
 def second_token_counts(method, ids, temperature, n):
     """How often each token came second over ``n`` seeds (the last cell: decodes that ended first), and how
     many decodes drafted for the second token, and had it accepted."""

@@ -28,10 +28,12 @@ from methods.registry import get_method, known_methods
 from tests.helpers import (
     assert_greedy_equal_to_ar,
     build,
+    decode,
     local_folder,
     noisy_copy,
     prompts_for,
     run,
+    run_batch,
     trained_pair,
     with_drafts,
 )
@@ -106,6 +108,45 @@ def test_every_method_on_every_family(name, family, family_pair, compose_cfg):
         for ids in prompts:
             out = run(method, ids, MAX_NEW)
             assert 0 < len(out.output_ids) <= MAX_NEW and len(out.accept_lengths) == len(out.drafted)
+
+
+# The methods batched under both transformers releases: each reaches the family's layers through another batch path
+# (one-token steps, chains, a tree, a batched draft model, a draft layer reading the target's hidden states, swapped
+# input embeddings: Gemma scales them). The oldest leg leaves the rest to these; the first leg walks every method.
+BATCHED_UNDER_BOTH = ("ar", "pld", "recycling", "sd", "eagle", "space")
+
+
+def batch_cases():
+    for family in FAMILIES:
+        for name in METHODS:
+            if get_method(name).lossless and (name, family) not in REFUSED:
+                marks = () if name in BATCHED_UNDER_BOTH else (pytest.mark.newest_only,)
+                yield pytest.param(name, family, marks=marks, id=f"{name}-{family}")
+
+
+@pytest.mark.parametrize("name,family", list(batch_cases()))
+def test_every_method_decodes_a_batch_on_every_family(name, family, family_pair, compose_cfg):
+    """Issue 41 on each family: the two prompts (of different lengths) decoded as one batch, through the batch
+    forwards a run builds (``bench.runner.batch_models``: the target's, the batched draft models', the method's own
+    parts', eager), each row ``ar``'s tokens alone, with the accepted lengths of its decode alone (a noisy draft:
+    ragged commits across the rows)."""
+    from bench.runner import batch_models
+
+    _, good, prompts = family_pair(family)
+    assert len(set(map(len, prompts))) == len(prompts)
+    method = build(good, name)
+    cfg = compose_cfg(f"pair=tiny_{family}", f"method={name}", f"batch_size={len(prompts)}", f"max_new_tokens={MAX_NEW}")
+    graphs = batch_models(cfg, good, prompts, [method])
+    try:
+        got = run_batch(method, prompts, MAX_NEW)
+    finally:
+        for lm in (good.target, *good.drafts, *method.batch_parts()):  # the module's pair decodes alone again
+            lm.compiled = None
+    assert "target" in graphs and not any(g.compiles for g in graphs.values())
+    for ids, out in zip(prompts, got):
+        alone = run(method, ids, MAX_NEW)
+        assert out.output_ids == decode(good, "ar", ids, max_new=MAX_NEW).output_ids == alone.output_ids, name
+        assert out.accept_lengths == alone.accept_lengths
 
 
 @pytest.mark.parametrize("family", FAMILIES)

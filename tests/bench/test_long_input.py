@@ -42,3 +42,20 @@ def test_a_prompt_past_the_targets_context_is_one_sentence(compose_cfg, tmp_path
     with pytest.raises(BenchError, match=r"passes the target's context of 4096 positions"):
         run(cfg, tmp_path)
     assert not (tmp_path / "records.jsonl").exists()
+
+
+def test_a_prompt_past_a_sliding_window_is_one_sentence(compose_cfg, tmp_path):
+    """The harness's own attention masks (trees, the static cache) attend over every cached position, so a run whose
+    sequences pass a model's sliding window would decode other tokens than the model's: refused before any decode."""
+    from transformers import MistralConfig, Qwen2Config
+
+    from bench.runner import run, sliding_window
+
+    cfg = compose_cfg("pair=tiny_mistral", "pair.target.config.sliding_window=64", "method=ar", "dataset=long_input",
+                      "dataset.input_tokens=60", "dataset.n_prompts=1", "max_new_tokens=16", "warmup=0")
+    with pytest.raises(BenchError, match=r"passes the target's sliding attention window of 64 positions, which the "):
+        run(cfg, tmp_path)
+    assert not (tmp_path / "records.jsonl").exists()
+    assert sliding_window(MistralConfig(sliding_window=None)) is None
+    assert sliding_window(Qwen2Config(use_sliding_window=False, sliding_window=64)) is None
+    assert sliding_window(Qwen2Config(use_sliding_window=True, sliding_window=64)) == 64

@@ -7,14 +7,12 @@ code, uncompiled) for every method; one compiled batch."""
 import dataclasses
 
 import pytest
-import torch
 
 from core.compiled import CompiledLM, no_recompiles
 from core.counting import CountedLM
 from core.errors import BenchError
-from decoding.sampling import Sampling
 from methods.registry import get_method, known_methods
-from tests.helpers import build, noisy_copy, prompts_for, run, with_drafts
+from tests.helpers import build, noisy_copy, prompts_for, run, run_batch, with_drafts
 
 BATCH = 3
 
@@ -49,13 +47,6 @@ def batched(pair, graphs, draft_graphs=None):
     return dataclasses.replace(pair, target=target, drafts=drafts, roles={})
 
 
-def decode_batch(method, prompts, max_new, temperature=0.0, seeds=None):
-    gens = [torch.Generator().manual_seed(s) for s in (seeds or [0] * len(prompts))]
-    with torch.inference_mode():
-        return method.decode_batch([torch.tensor([p]) for p in prompts], max_new, Sampling(temperature, 1.0), gens,
-                                   [lambda n: None] * len(prompts))
-
-
 def prompts(pair):
     """Three prompts of different lengths (the shortest first: its prefill pads to the longest)."""
     ps = sorted(prompts_for(pair, 6), key=len)
@@ -66,7 +57,7 @@ def decode_compiled_rows(method, alone, rows):
     """``method``'s batch decode of ``rows`` (16 tokens) through warmed compiled graphs (a recompile is an error), each
     row checked against ``alone``'s decode of it by itself."""
     with no_recompiles():
-        got = decode_batch(method, rows, 16)
+        got = run_batch(method, rows, 16)
     for ids, out in zip(rows, got):
         ref = run(alone, ids, 16)
         assert out.output_ids == ref.output_ids and out.accept_lengths == ref.accept_lengths
@@ -82,7 +73,7 @@ def decode_counting_rows(method, alone, part, graphs, rows):
     part.forward_rows = lambda calls: sizes.append(sum(c is not None for c in calls)) or run_rows(calls)
     try:
         with graphs.eagerly():
-            got = decode_batch(method, rows, 16)
+            got = run_batch(method, rows, 16)
     finally:
         del part.forward_rows
     for ids, out in zip(rows, got):
@@ -97,7 +88,7 @@ def test_each_row_of_a_batch_decodes_what_it_decodes_alone(name, good_pair, batc
     method, alone = build(pair, name), build(good_pair, name)
     rows = prompts(good_pair)
     with batch_graphs.eagerly():
-        got = decode_batch(method, rows, 16)
+        got = run_batch(method, rows, 16)
     for ids, out in zip(rows, got):
         ref = run(alone, ids, 16)
         assert out.output_ids == ref.output_ids, f"{name}: a row of the batch differs from its decode alone"
@@ -130,7 +121,7 @@ def test_a_compiled_batch_decodes_what_each_row_decodes_alone(good_pair, batch_g
     alone.eos_ids = method.eos_ids
     try:
         with no_recompiles():
-            got = decode_batch(method, rows, 16)
+            got = run_batch(method, rows, 16)
     finally:
         del batch_graphs._run
     for ids, out in zip(rows, got):
@@ -320,7 +311,7 @@ def test_a_finished_row_stops_costing_compute(name, good_pair, batch_graphs, dra
         no_idle_rows_computed(g, moved, target=g is batch_graphs and name != "swift")  # swift drafts on it too
     try:
         with batch_graphs.eagerly():
-            got = decode_batch(method, rows, 16)
+            got = run_batch(method, rows, 16)
     finally:
         for g in graphs:
             del g._run, g.cache.move
@@ -340,7 +331,7 @@ def test_a_sampled_row_draws_what_it_draws_alone(name, good_pair, batch_graphs, 
     method, alone = build(pair, name), build(good_pair, name)
     rows, seeds = prompts(good_pair), [3, 4, 5]
     with batch_graphs.eagerly():
-        got = decode_batch(method, rows, 12, temperature=1.0, seeds=seeds)
+        got = run_batch(method, rows, 12, temperature=1.0, seeds=seeds)
     for ids, seed, out in zip(rows, seeds, got):
         assert out.output_ids == run(alone, ids, 12, temperature=1.0, seed=seed).output_ids
 
@@ -365,7 +356,7 @@ def test_a_method_that_cannot_batch_is_one_sentence_before_any_model_loads(compo
 
     assert OwnLoop.batch_refusal and get_method("pld").batch_refusal is None
     with pytest.raises(BenchError, match="batch"):
-        decode_batch(OwnLoop({}, batched(good_pair, batch_graphs)), prompts(good_pair), 8)
+        run_batch(OwnLoop({}, batched(good_pair, batch_graphs)), prompts(good_pair), 8)
     monkeypatch.setattr(get_method("pld"), "batch_refusal", OwnLoop.batch_refusal)
     with pytest.raises(BenchError, match="method=pld cannot decode a batch yet: it decodes with a loop of its own"):
         validate(compose_cfg("pair=tiny", "method=pld", "batch_size=2"))
@@ -382,7 +373,7 @@ def test_a_draft_length_by_batch_size(good_pair, batch_graphs, draft_graphs):
     method.setup()
     rows = prompts(good_pair)
     with batch_graphs.eagerly():
-        got = decode_batch(method, rows, 16)
+        got = run_batch(method, rows, 16)
     for ids, out in zip(rows, got):
         assert max(out.drafted) == 2
         assert out.output_ids == run(build(good_pair, "sd", gamma=2), ids, 16).output_ids
