@@ -34,10 +34,11 @@ from methods.registry import known_methods  # noqa: E402
 BEGIN, END = "<!-- results_page: begin -->", "<!-- results_page: end -->"
 
 
-def sweep(out: Path, overrides: list[str]) -> list[str]:
-    """Run (or finish) the sweep of every method but the baseline into ``out``; returns the command."""
+def sweep(out: Path, overrides: list[str], methods: list[str] | None = None) -> list[str]:
+    """Run (or finish) the sweep of ``methods`` (None: every registered one) but the baseline into ``out``; returns
+    the command."""
     baseline = next((o.split("=", 1)[1] for o in overrides if o.startswith("baseline=")), "ar")
-    methods = [m for m in known_methods() if m != baseline]
+    methods = [m for m in (methods or known_methods()) if m != baseline]
     cmd = [sys.executable, "-m", "bench", "run", "-m", f"method={','.join(methods)}", f"resume={out}", *overrides]
     done = subprocess.run(cmd, cwd=ROOT)
     if done.returncode != 0:
@@ -104,11 +105,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--page", default="docs/results.md")
     parser.add_argument("--figure", default="docs/img/results-all.png")
     parser.add_argument("--no-run", action="store_true", help="only rewrite the page from the sweep as it is")
+    parser.add_argument("--methods", type=lambda v: v.split(","), default=None,
+                        help="a comma-separated list of the methods to sweep (default: every registered one)")
     parser.add_argument("--keep-other-commits", action="store_true",
                         help="finish a sweep whose jobs were measured at another commit, keeping them")
     args, overrides = parser.parse_known_args(argv)
     sweep_dir, page, figure = (Path(p).resolve() for p in (args.sweep, args.page, args.figure))
-    shown = " ".join(["python scripts/results_page.py", *([f"--sweep {args.sweep}"] if args.sweep != parser.get_default("sweep") else []), *overrides])
+    shown = " ".join(["python scripts/results_page.py", *([f"--sweep {args.sweep}"] if args.sweep != parser.get_default("sweep") else []),
+                      *([f"--methods {','.join(args.methods)}"] if args.methods else []), *overrides])
     try:
         if not args.no_run:
             older = other_commits(sweep_dir, git_state()["commit"])
@@ -116,7 +120,11 @@ def main(argv: list[str]) -> int:
                 raise BenchError(f"{args.sweep} holds jobs measured at another commit ({', '.join(older[:3])}"
                                  f"{', ...' if len(older) > 3 else ''}), which a resumed sweep would keep: give a new "
                                  "--sweep DIR, move that folder, or pass --keep-other-commits.")
-            sweep(sweep_dir, overrides)
+            unknown = sorted(set(args.methods or ()) - set(known_methods()))
+            if unknown:
+                raise BenchError(f"--methods names {', '.join(unknown)}, which no method is; the methods are "
+                                 f"{', '.join(known_methods())}.")
+            sweep(sweep_dir, overrides, args.methods)
         write_page(page, block(sweep_dir, figure, page, shown))
     except BenchError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -23,10 +23,16 @@ def pytest_collection_modifyitems(config, items):
     """Under ``--dist loadgroup`` the tests on the real pair run on one worker: its draft is distilled once (the
     session fixture ``real_pair``, minutes on 2 cores), and its target converted once. Needs pytest < 9.2
     (pyproject.toml: 9.2 drops the suffixes, pytest-xdist issue 1386) and this hook first (checked 2026-11-28 with a
-    two-group example: without ``tryfirst`` the groups added here were ignored)."""
+    two-group example: without ``tryfirst`` the groups added here were ignored). So do the tests on the tiny target's
+    compiled forwards (the session's ``compiled_lm``) and those on ``tests/methods/test_batch.py``'s batch graphs: each
+    worker that ran any of them compiled its own graphs (half a minute to a minute each time)."""
     for item in items:
-        if {"real_pair", "real_target"} & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group("real_pair"))
+        fixtures = set(getattr(item, "fixturenames", ()))
+        for group, needs in (("real_pair", {"real_pair", "real_target"}), ("compiled_lm", {"compiled_lm"}),
+                             ("batch_graphs", {"batch_graphs"})):
+            if needs & fixtures:
+                item.add_marker(pytest.mark.xdist_group(group))
+                break
 
 
 class _Deprecations(logging.Handler):
