@@ -298,18 +298,20 @@ def previous_provenance(run_dir: Path) -> dict | None:
         return None
 
 
-def batch_sizes_of(pair) -> str | None:
-    """The running-row counts the target's compiled batch forwards have graphs for, as ``"1,2,4,8"``; None unless its
-    forwards are compiled over a batch (B > 1)."""
+def compiled_shapes(pair) -> tuple[str | None, str | None]:
+    """What the target's compiled forwards have graphs for: the query-row buckets (``"1,2,4,8,16"``) and, compiled over
+    a batch (B > 1), the running-row counts (``"1,2,4,8"``); None for each that is not compiled."""
     graphs = getattr(pair.target, "compiled", None)
-    if graphs is None or not graphs.compiles or graphs.cache.rows < 2:
-        return None
-    return ",".join(str(r) for r in graphs.batch_sizes)
+    if graphs is None or not graphs.compiles:
+        return None, None
+    sizes = ",".join(str(r) for r in graphs.batch_sizes) if graphs.cache.rows > 1 else None
+    return ",".join(str(b) for b in graphs.buckets), sizes
 
 
 def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float, sampling: Sampling) -> dict:
     """One prompt's record from one timed decode (``c``: the run's measured draft/target cost ratio)."""
     decoded = run["decoded"]
+    buckets, batch_sizes = compiled_shapes(pair)
     new = len(decoded.output_ids)
     text = pair.tokenizer.decode(decoded.output_ids, skip_special_tokens=True)
     rec = {
@@ -334,9 +336,8 @@ def make_record(cfg, pair, method, prompt, prompt_ids, run: dict, c: float, samp
         "batch": run.get("batch"),
         # Compiled: the query-row buckets with graphs of their own ("1,2,4,8,16"), else None; at B > 1 also the
         # running-row counts ("1,2,4,8"; core/compiled.py), else None.
-        "compile_buckets": ",".join(str(b) for b in sorted(int(b) for b in cfg.compile_buckets)) if cfg.get("compile")
-        else None,
-        "compile_batch_sizes": batch_sizes_of(pair),
+        "compile_buckets": buckets,
+        "compile_batch_sizes": batch_sizes,
         "method_cfg": method.cfg.model_dump(mode="json"),
         # The training recipe behind the method's trained parts (draft, heads, verifier): its name, or
         # name~<hash> when its settings were overridden; None: nothing trained.

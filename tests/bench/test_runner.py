@@ -97,7 +97,8 @@ def test_a_compiled_run_says_what_it_compiled(compose_cfg, tmp_path):
     run(cfg, tmp_path)
     records = read_records(tmp_path / "records.jsonl")
     assert sorted(r["method"] for r in records) == ["ar", "ar", "sd", "sd"]
-    assert all(r["compile"] is True for r in records)
+    assert all(r["compile"] is True and r["compile_buckets"] == "1,16" and r["compile_batch_sizes"] is None
+               for r in records)  # the target's graphs' buckets; no batch
     assert all(r["matches_baseline"] for r in records if r["method"] == "sd")
     # Every draft forward ran compiled but the prompt's (beyond 16 rows, as the target's): its one-token steps too.
     assert all(r["uncompiled_calls"] == {"target": 1, "draft": 1} and r["calls"]["draft"] > 1 for r in records
@@ -130,6 +131,8 @@ def test_a_compiled_run_says_what_it_compiled(compose_cfg, tmp_path):
     assert prov["compile"]["target"]["reused"] is False and counters["stats"]["unique_graphs"] > graphs
     run(compose_cfg("pair=tiny", "method=ar", "max_new_tokens=4", "dataset.n_prompts=1", "warmup=0"), tmp_path / "eager")
     assert kept.held() == {}
+    assert all(r["compile_buckets"] is None and r["compile_batch_sizes"] is None
+               for r in read_records(tmp_path / "eager" / "records.jsonl"))
 
 
 @pytest.mark.newest_only  # the runner around compiled forwards, which tests/core/test_compiled.py checks in both legs
@@ -145,7 +148,10 @@ def test_a_compiled_batch_run_lets_go_of_its_frozen_weights(compose_cfg, tmp_pat
 
     run(compose_cfg("pair=tiny", "method=pld", "batch_size=2", "compile=true", "compile_buckets=[1,16]",
                     "max_new_tokens=8", "dataset.n_prompts=2", "warmup=0"), tmp_path)
-    assert all(r["matches_baseline"] is not False for r in read_records(tmp_path / "records.jsonl"))
+    records = read_records(tmp_path / "records.jsonl")
+    assert all(r["matches_baseline"] is not False for r in records)
+    # Graphs for the 2 rows only (the CPU's default: B alone, core.compiled.compiled_batch_sizes).
+    assert all(r["compile_buckets"] == "1,16" and r["compile_batch_sizes"] == "2" for r in records)
     holding = [name for name, mod in list(sys.modules.items()) if name.startswith("torch._inductor.runtime.compile_tasks.")
                and any(isinstance(v, torch.Tensor) for v in vars(mod).values())]
     assert holding == []
