@@ -34,11 +34,15 @@ from methods.registry import known_methods  # noqa: E402
 BEGIN, END = "<!-- results_page: begin -->", "<!-- results_page: end -->"
 
 
+def baseline(overrides: list[str]) -> str:
+    """The baseline the sweep's jobs run beside each method (``baseline=NAME`` among the overrides; ``ar``)."""
+    return next((o.split("=", 1)[1] for o in overrides if o.startswith("baseline=")), "ar")
+
+
 def sweep(out: Path, overrides: list[str], methods: list[str] | None = None) -> list[str]:
     """Run (or finish) the sweep of ``methods`` (None: every registered one) but the baseline into ``out``; returns
     the command."""
-    baseline = next((o.split("=", 1)[1] for o in overrides if o.startswith("baseline=")), "ar")
-    methods = [m for m in (methods or known_methods()) if m != baseline]
+    methods = [m for m in (methods or known_methods()) if m != baseline(overrides)]
     cmd = [sys.executable, "-m", "bench", "run", "-m", f"method={','.join(methods)}", f"resume={out}", *overrides]
     done = subprocess.run(cmd, cwd=ROOT)
     if done.returncode != 0:
@@ -124,6 +128,9 @@ def main(argv: list[str]) -> int:
             if unknown:
                 raise BenchError(f"--methods names {', '.join(unknown)}, which no method is; the methods are "
                                  f"{', '.join(known_methods())}.")
+            if args.methods and set(args.methods) <= {baseline(overrides)}:
+                raise BenchError(f"--methods names only the baseline ({baseline(overrides)}), which every job runs beside its "
+                                 "method; name at least one other method.")
             sweep(sweep_dir, overrides, args.methods)
         write_page(page, block(sweep_dir, figure, page, shown))
     except BenchError as err:

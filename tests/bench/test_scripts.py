@@ -172,6 +172,9 @@ def test_results_page_refuses_to_resume_jobs_from_another_commit(tmp_path, monke
     assert err.count("\n") == 1
     assert page_script.main(["--sweep", str(tmp_path / "new"), "--page", str(tmp_path / "r.md"), "--methods", "pld,pdl"]) == 2
     assert capsys.readouterr().err.startswith("error: --methods names pdl, which no method is; the methods are amphista, ")
+    assert page_script.main(["--sweep", str(tmp_path / "new"), "--page", str(tmp_path / "r.md"), "--methods", "ar"]) == 2
+    assert capsys.readouterr().err == ("error: --methods names only the baseline (ar), which every job runs beside its "
+                                       "method; name at least one other method.\n")
 
 
 @pytest.mark.newest_only
