@@ -18,7 +18,11 @@ of what matters most, each skipped with a note once the time budget is spent:
 6. the methods of ``--methods`` (:data:`SYNTHETIC_METHODS`) on a synthetic pair of ``--shape`` (default
    Llama-3.1-8B with Llama-3.2-1B as draft; trained parts untrained) in bf16, at two acceptance rates, each against ``ar`` on the same prompts (``reference=none``: compiling
    the reference in each of these runs would spend the budget), for what time is left;
-7. on CUDA, for what time is left: what GQA's key/value copy costs a verification there and what ``sdpa_gqa``
+7. the methods of ``--batch-methods`` (:data:`BATCH_METHODS`) at ``--batch-size`` (8; as many prompts, one batch) on
+   that synthetic pair at the last rate, each against ``ar`` at the same batch size: what speculation's machinery
+   costs in a batch at a real size, and the throughput over the batch (a synthetic pair's output is not ``ar``'s by
+   design; that a batch decodes each row as ``ar`` does on the device is the walk's ``test_a_batch_on_the_device``);
+8. on CUDA, for what time is left: what GQA's key/value copy costs a verification there and what ``sdpa_gqa``
    saves (``scripts/gqa_cost.py``, bf16, 1k and 4k cached tokens, 4 layers: ``OUT/gqa.csv``), which decides whether
    ``core.gqa_attention`` is switched on for CUDA too.
 
@@ -40,12 +44,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# The methods step 5 times by default: every method runs on a synthetic pair (trained parts untrained), but the budget
+# The methods step 6 times by default: every method runs on a synthetic pair (trained parts untrained), but the budget
 # holds about twenty runs, so the draft-model and model-free methods and two trained ones (Medusa's heads, EAGLE's
 # draft layer); left out: those whose set-up runs the target over a corpus (swift's skip-set search, nest's datastore,
 # hierarchy's answers: minutes at 8B) and the other heads and draft-layer variants (--methods names any).
 SYNTHETIC_METHODS = ["sd", "pld", "cascade", "spechub", "gsd", "recycling", "samd", "rest", "lookahead", "medusa",
                      "eagle"]
+# Step 7's methods at batch size 8 (issue 41): one per batched drafting path (a draft model, n-grams, the target's own
+# top-k tree, heads, a draft layer), at the last acceptance rate, after step 6 so that B = 1 comes first.
+BATCH_METHODS = ["sd", "pld", "recycling", "medusa", "eagle"]
 
 
 class Budget:
@@ -106,9 +113,9 @@ def guard_rows(device: str, cache: str, tokens: int = 16) -> list[dict]:
 
 
 def synthetic_rows(out: Path, device: str, shape: str, dtype: str, rates: list[float], prompts: int, tokens: int,
-                   cache: str, budget: Budget, methods: list[str]) -> tuple[list[dict], list[str]]:
-    """Every method of ``methods`` against ``ar`` on the synthetic pair of ``shape`` at each rate; the summary rows
-    of each run (its method's row), and what was skipped for time."""
+                   cache: str, budget: Budget, methods: list[str], batch_size: int = 1) -> tuple[list[dict], list[str]]:
+    """Every method of ``methods`` against ``ar`` (at the same ``batch_size``) on the synthetic pair of ``shape`` at
+    each rate; the summary rows of each run (its method's row), and what was skipped for time."""
     from bench.runner import run
 
     rows, skipped = [], []
@@ -116,22 +123,25 @@ def synthetic_rows(out: Path, device: str, shape: str, dtype: str, rates: list[f
     # shows as one method's outlier rather than one rate's column.
     for name in methods:
         for rate in rates:
+            batch = f" at B = {batch_size}" if batch_size > 1 else ""
             if budget.left() < 30:
-                skipped.append(f"{name} at {rate}")
+                skipped.append(f"{name} at {rate}{batch}")
                 continue
-            run_dir = out / "synthetic" / f"{name}-a{rate}"
+            run_dir = out / "synthetic" / f"{name}-a{rate}{f'-b{batch_size}' if batch_size > 1 else ''}"
             cfg = compose([f"method={name}", "pair=synthetic", f"pair.shape={shape}", f"pair.acceptance={rate}",
                            f"device={device}", f"dtype={dtype}", f"max_new_tokens={tokens}",
-                           f"dataset.n_prompts={prompts}", "warmup=1", "reference=none", f"cache_dir={cache}"])
+                           f"dataset.n_prompts={prompts}", f"batch_size={batch_size}", "warmup=1", "reference=none",
+                           f"cache_dir={cache}"])
             try:
                 summary = run(cfg, run_dir)
                 # The run's own ar beside the method: a transient (the machine's, or what an earlier run left) shows
                 # in both, and the peak memory shows what else was resident.
-                ar = next((r["tokens_per_s"] for r in summary if r["method"] == "ar"), None)
-                rows += [{**r, "acceptance_set": rate, "ar_tokens_per_s": ar} for r in summary
+                ar = next((r for r in summary if r["method"] == "ar"), {})
+                rows += [{**r, "acceptance_set": rate, "batch_size": batch_size, "ar_tokens_per_s": ar.get("tokens_per_s"),
+                          "ar_throughput": ar.get("throughput")} for r in summary
                          if r.get("label") == name or r["method"] == name]
             except Exception as err:  # noqa: BLE001
-                rows.append({"method": name, "acceptance_set": rate,
+                rows.append({"method": name, "acceptance_set": rate, "batch_size": batch_size,
                              "error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"})
     return rows, skipped
 
@@ -279,6 +289,12 @@ def markdown(check: dict) -> str:
              for c in cols if c in r or c != "error"} for r in check["synthetic"]]
     lines += [f"## Synthetic pair: {check['synthetic_pair']}", "", tabulate(rows, headers="keys", tablefmt="github",
                                                                            floatfmt=".3g"), ""]
+    batch_cols = ["method", "batch_size", "acceptance_set", "speedup_median", "throughput", "ar_throughput",
+                  "mean_accepted", "target_calls_per_token", "peak_mem_bytes", "error"]
+    batch_rows = [{c.replace("_bytes", "_mib"): mib(r[c]) if c.endswith("_bytes") else r[c] for c in batch_cols if c in r}
+                  for r in check.get("batch", [])]
+    lines += ["## A batch on the synthetic pair (each method against `ar` at the same B; throughput: tokens/s over "
+              "the batch)", "", tabulate(batch_rows, headers="keys", tablefmt="github", floatfmt=".3g"), ""]
     if check["skipped"]:
         lines += ["Skipped for time: " + ", ".join(check["skipped"]), ""]
     gqa = check.get("gqa", {})
@@ -297,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--methods", default=",".join(SYNTHETIC_METHODS))
+    p.add_argument("--batch-size", type=int, default=8, help="step 7's batch size (as many prompts, one batch)")
+    p.add_argument("--batch-methods", default=",".join(BATCH_METHODS),
+                   help="step 7's methods, each against ar at --batch-size on the synthetic pair at the last rate; none: skip")
     p.add_argument("--compiled", default="sd", help="step 5's method (compile=true against ar); none: skip the step")
     p.add_argument("--reference", choices=["auto", "compiled", "static", "none"], default="auto",
                    help="step 4's reference; auto: compiled on CUDA, static (uncompiled) elsewhere")
@@ -322,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
                                        cache, budget, args.compiled) if args.compiled != "none" else [])
     check["synthetic"], check["skipped"] = synthetic_rows(out, args.device, args.shape, args.dtype, rates, args.prompts,
                                                           args.tokens, cache, budget, args.methods.split(","))
+    if args.batch_methods != "none":
+        check["batch"], skipped = synthetic_rows(out, args.device, args.shape, args.dtype, rates[-1:], args.batch_size,
+                                                 args.tokens, cache, budget, args.batch_methods.split(","), args.batch_size)
+        check["skipped"] += skipped
     check["gqa"] = gqa_cost(out, args.device, budget)
     check["seconds"] = round(args.budget - budget.left(), 1)
     (out / "check.json").write_text(json.dumps(check, indent=1, default=str))
@@ -336,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     failed |= any("error" in r or (r.get("mismatches") or 0) > 0 for r in check["reference"])
     failed |= any("error" in r for r in check["compiled"])
     failed |= check["walk"].get("status", "passed") not in ("passed", "timed out")  # a failing GPU test fails the check
+    failed |= any("error" in r for r in check.get("batch", []))
     return 1 if failed or any("error" in r for r in check["synthetic"]) else 0
 
 
