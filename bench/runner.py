@@ -34,6 +34,7 @@ from bench.validate import validate_run
 from core import metrics
 from core.clock import clocked, sync
 from core.compiled import CompiledLM, check_compiler, no_recompiles
+from core.compiled_rows import CompiledRows, row_buckets
 from core.errors import BenchError
 from core.kv_cache import lm_forward
 from core.pair import Pair
@@ -191,6 +192,24 @@ def batch_models(cfg: DictConfig, pair: Pair, prompts: list[list[int]], methods:
         graphs.check()
         lm.compiled = models[lm.role] = graphs
     return models
+
+
+def compile_parts(cfg: DictConfig, methods: list, batch: int) -> dict[str, CompiledRows]:
+    """``compile=true``: each method's cache-free parts (``Method.row_parts``: draft heads, SPRINTER's verifier)
+    compiled per input shape its calls use and bucket of rows (the powers of two up to the most rows such a call holds),
+    warmed and checked against the eager part before any clock. ``{role: compiled}``."""
+    if not cfg.get("compile"):
+        return {}
+    compiled = {}
+    for method in methods:
+        for part, most in method.row_parts(batch):
+            buckets = {sig: row_buckets(rows) for sig, rows in most.items()}
+            log.info("compiling the %s for %d input shapes, %d graphs (untimed)", part.role, len(buckets),
+                     sum(map(len, buckets.values())))
+            part.compiled = compiled[part.role] = CompiledRows(part.module, buckets, part.role)
+            part.compiled.warm()
+            part.compiled.check()
+    return compiled
 
 
 def uncompile(pair: Pair, keep: bool) -> None:
@@ -449,6 +468,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
         ref = reference.build(ref_mode, pair, get_method("ar")({}, pair).eos_ids, encoded, cfg.max_new_tokens)
         compiled = (batch_models(cfg, pair, encoded, list(methods_.values())) if batch > 1
                     else compile_models(cfg, pair, encoded, slot.compiled if slot else None))
+        compiled.update(compile_parts(cfg, list(methods_.values()), batch))
         prov["compile"] = {role: c.describe() for role, c in compiled.items()} or None
         # What each method holds beyond the target (its parts, its tensors), measured once, outside any clock.
         own = {m.name: memory.method_param_bytes(m) for m in [*methods_.values(), *([ref] if ref else [])]}

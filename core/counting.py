@@ -209,15 +209,32 @@ class CountedLM(Counted):
 class CountedModule(Counted):
     """A small module (draft heads, a verifier) applied to hidden states of shape ``(..., hidden)``, each position on
     its own (no position reads another's), so that the rows of a batch can be stacked into one call
-    (:meth:`forward_rows`)."""
+    (:meth:`forward_rows`), and a call's rows padded to a compiled bucket."""
+
+    # compile=true: the module's forward compiled per bucket of rows (core.compiled_rows.CompiledRows), which every
+    # call then runs through; None: eager.
+    compiled = None
 
     def count(self, hidden: torch.Tensor, *args) -> None:
         """Count one call on these inputs (what :meth:`__call__` counts; nothing runs)."""
         self._count(1, hidden.shape[:-1].numel(), 0)
 
     def __call__(self, hidden: torch.Tensor, *args):
-        self.count(hidden, *args)
-        return self.module(hidden, *args)
+        share = self.counted_by(self.count, hidden, *args)
+        return self._run(share, hidden, *args)
+
+    def _run(self, counted: dict, *args: torch.Tensor):
+        """The module on ``args`` (the rows along dim 0), eagerly or through its compiled graphs; ``counted``: what the
+        call's real rows were counted as, from which the padding rows' tokens and FLOPs follow (each row costs alike),
+        counted as padding (never hidden); a call the graphs do not hold counts as uncompiled."""
+        if self.compiled is None:
+            return self.module(*args)
+        out, ran, compiled = self.compiled(*args)
+        real = args[0].shape[0]
+        self.uncompiled_calls += not compiled
+        self.padded_tokens += (ran - real) * counted["tokens"] // real
+        self.padded_flops += (ran - real) * counted["flops"] / real
+        return out
 
     def forward_rows(self, rows: list[dict | None]) -> tuple[list, list[dict | None]]:
         """The calls of a batch's rows as few calls as their shapes allow (issue 41): ``rows[b]`` is ``{"args": (...)}``,
@@ -236,7 +253,13 @@ class CountedModule(Counted):
         outs: list = [None] * len(rows)
         for members in groups.values():
             stacked = [torch.cat(parts) for parts in zip(*(rows[b]["args"] for b in members))]
-            out = self.module(*stacked)
+            before = self.stats()
+            out = self._run({k: sum(shares[b][k] for b in members) for k in ("tokens", "flops")}, *stacked)
+            after = self.stats()
+            for b in members:  # the stacked call's padding, shared by its rows (as the target's is)
+                shares[b]["padded_tokens"] += (after["padded_tokens"] - before["padded_tokens"]) / len(members)
+                shares[b]["padded_flops"] += (after["padded_flops"] - before["padded_flops"]) / len(members)
+            shares[members[0]]["uncompiled_calls"] += after["uncompiled_calls"] - before["uncompiled_calls"]
             for b, part in zip(members, out.split([rows[b]["args"][0].shape[0] for b in members])):
                 outs[b] = part
         return outs, shares

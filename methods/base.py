@@ -178,6 +178,13 @@ class Method:
         (``bench.runner.batch_models``)."""
         return []
 
+    def row_parts(self, batch: int) -> list[tuple]:
+        """The method's cache-free parts that ``compile=true`` compiles per bucket of rows (after :meth:`setup`; draft
+        heads, :class:`core.counting.CountedModule`s whose rows are independent): ``(part, {signature: rows})`` each,
+        per input shapes beyond dim 0 its calls use (``core.compiled_rows.Signature``) the most rows one such call
+        holds with ``batch`` prompts decoding (a batch stacks every row's call into one). None by default."""
+        return []
+
     @classmethod
     def trains(cls, pair_spec, settings=None) -> bool:
         """Whether the method runs anything trained under the run's recipe on a pair of ``pair_spec``: its records

@@ -68,6 +68,9 @@ class Sprinter(DraftVerify):
         # In fp32 whatever the pair's dtype: it standardises its features in fp32 (Verifier.forward).
         self.verifier = self.pair.add(CountedModule(model.to(self.pair.device, torch.float32), "verifier"))
 
+    def row_parts(self, batch: int) -> list[tuple]:
+        return [(self.verifier, {((self.verifier.module.d_in,),): batch})]  # one row per prompt asking it
+
     class State(PromptState):
         """One prompt's drafting: the draft's KV cache, the last run's checked token's q, and the run tallies."""
 

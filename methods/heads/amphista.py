@@ -52,6 +52,9 @@ class Amphista(Medusa):
     kind = "amphista"
     Config = AmphistaSettings
 
+    def heads_input_shape(self) -> tuple[int, ...]:
+        return (len(self.stages), self.pair.target.module.config.hidden_size)  # every stage's output
+
     def add_roles(self, heads, prefix) -> None:
         # A role per adaptation stage, each a causal LM of its own with a KV cache (a batch's: one forward per stage for
         # every row, docs/batching.md); the auto-embedding block and the heads, stacked across a batch's rows.

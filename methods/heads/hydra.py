@@ -42,6 +42,12 @@ class Hydra(TreeHeadsMethod):
     Config = PublishedHeadsSettings
     lossless = True  # greedy, and sampling verified exactly; typical acceptance when sampling is not
 
+    def row_parts(self, batch: int) -> list[tuple]:
+        # Head d - 1 reads h and the d tokens to each parent at depth d, one row per parent (of every prompt).
+        width = self.pair.target.module.config.hidden_size
+        return [(self.heads, {((width,), (d, width)): batch * len(parents)
+                              for d, (parents, *_) in enumerate(expansion_plan(self.shape), start=1)})]
+
     def fill(self, hidden, pending, shape: Tree):
         tokens = torch.full((len(shape),), pending, dtype=torch.long, device=hidden.device)
         vocab_map = self.heads.module.vocab_map

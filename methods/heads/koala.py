@@ -108,6 +108,9 @@ class Koala(Method):
     def batch_parts(self) -> list:
         return self.base.batch_parts()
 
+    def row_parts(self, batch: int) -> list[tuple]:
+        return self.base.row_parts(batch)
+
     def is_lossless(self, sampling) -> bool:
         return self.base.is_lossless(sampling)
 

@@ -21,6 +21,13 @@ class Medusa(TreeHeadsMethod):
     Config = PublishedHeadsSettings
     lossless = True  # greedy, and sampling verified exactly; typical acceptance when sampling is not
 
+    def heads_input_shape(self) -> tuple[int, ...]:
+        """The shape of what :meth:`heads_input` gives the heads per prompt: the target's hidden size."""
+        return (self.pair.target.module.config.hidden_size,)
+
+    def row_parts(self, batch: int) -> list[tuple]:
+        return [(self.heads, {(self.heads_input_shape(),): batch})]  # one call a step: one row per prompt
+
     def fill(self, hidden, pending, shape: Tree):
         # (K, V'): one call runs every head on the same hidden state (in a batch, one call for every row)
         sub = (yield {"lm": self.heads, "args": (hidden.unsqueeze(0),)})[0]

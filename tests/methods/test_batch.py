@@ -272,6 +272,33 @@ def test_a_batch_runs_every_rows_heads_in_one_call(good_pair, batch_graphs, name
     assert method.heads.stats()["calls"] == per_row
 
 
+@pytest.mark.newest_only
+def test_a_batch_runs_its_compiled_heads_in_one_padded_call(good_pair, batch_graphs):
+    """compile=true compiles Hydra's heads too (one graph per head and bucket of rows): in a batch every row's call at
+    a depth is one call through them, padded to the bucket (counted), and each row decodes what it decodes alone."""
+    from omegaconf import OmegaConf
+
+    from bench.runner import compile_parts
+
+    batch_graphs.warm()
+    pair = batched(good_pair, batch_graphs)
+    method, alone = build(pair, "hydra"), build(good_pair, "hydra")
+    rows = prompts(good_pair)
+    refs = [run(alone, ids, 16).output_ids for ids in rows]
+    parts = compile_parts(OmegaConf.create({"compile": True}), [method], BATCH)
+    try:
+        # Depth 1: one parent per row; deeper: the tree's parents at that depth, for every row.
+        assert list(parts) == ["heads"] and max(parts["heads"].buckets.values())[-1] >= BATCH
+        with no_recompiles():
+            got = run_batch(method, rows, 16)
+    finally:
+        method.heads.compiled = None
+    assert [out.output_ids for out in got] == refs
+    heads = method.heads.stats()
+    assert heads["calls"] > 0 and heads["uncompiled_calls"] == 0 and heads["padded_tokens"] > 0
+    assert sum(out.counts["heads"]["padded_tokens"] for out in got) == pytest.approx(heads["padded_tokens"])
+
+
 def no_idle_rows_computed(graphs, moves: list, target: bool):
     """Check every uncompiled forward of ``graphs`` after it runs: the rows it computed span its running ones and no
     more (a draft's rows that drafted less this step idle between them as padding); the target's, which every

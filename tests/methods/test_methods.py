@@ -72,10 +72,16 @@ def test_lossless_greedy_equals_ar_compiled(name, good_pair, compiled):
     and every step takes what it takes eagerly (the same accepted lengths: a method reading stale hidden states from
     the compiled forwards would draft otherwise); a method that says it cannot run compiled is refused, never silently
     run."""
+    from omegaconf import OmegaConf
+
+    from bench.runner import compile_parts
     from core.compiled import no_recompiles
 
     pair = compiled(good_pair)
     method = build(pair, name)
+    # The method's own cache-free parts (draft heads) compiled too, per bucket of rows, as a compile=true run does.
+    parts = compile_parts(OmegaConf.create({"compile": True}), [method], batch=1)
+    assert bool(parts) == bool(method.row_parts(1)), name
     # A prompt within the largest bucket (a compiled prefill) and one beyond it (an uncompiled one).
     prompts = [min(prompts_for(good_pair, 8), key=len), prompts_for(good_pair, 3)[2]]
     eager = build(good_pair, name)
@@ -89,6 +95,10 @@ def test_lossless_greedy_equals_ar_compiled(name, good_pair, compiled):
             plain = run(eager, ids, 24)
             assert out.output_ids == ref.output_ids == plain.output_ids, f"{name} compiled differs from ar"
             assert out.accept_lengths == plain.accept_lengths
+            for role in parts:  # every call of a compiled part ran through its graphs
+                assert pair.roles[role].calls > 0 and pair.roles[role].uncompiled_calls == 0, (name, role)
+    for role in parts:
+        pair.roles[role].compiled = None
 
 
 def loop_settings(name: str, pair, looping_prompt, folder) -> dict:
