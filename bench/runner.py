@@ -212,6 +212,17 @@ def compile_parts(cfg: DictConfig, methods: list, batch: int) -> dict[str, Compi
     return compiled
 
 
+def uncompile_parts(methods: list, batch: int) -> None:
+    """When the run ends: each method's compiled parts (:func:`compile_parts`) let go of their graphs and the frozen
+    weights inductor's code holds, and run eagerly again. (They are roles of the method's own table, not of the
+    pair's that :func:`uncompile` walks.)"""
+    for method in methods:
+        for part, _ in method.row_parts(batch):
+            if part.compiled is not None:
+                part.compiled.release()
+                part.compiled = None
+
+
 def uncompile(pair: Pair, keep: bool) -> None:
     """When the run ends: its models stop decoding through the compiled forwards. ``keep``: the run completed and its
     models and compiled forwards stay in :mod:`bench.kept` for the next compiled run of this process; else they are
@@ -487,6 +498,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
         if compiled:
             # A batch run's compiled forwards are never kept (bench.kept keeps one-row ones): let go of their graphs.
             held.callback(lambda: uncompile(pair, keep=ok and batch == 1))
+            held.callback(lambda: uncompile_parts(list(methods_.values()), batch))
         # The reference is warmed up whatever `warmup` says: compiling its step and recording its CUDA graph are never
         # timed.
         for _ in range(max(int(cfg.warmup), 1) if ref is not None else 0):

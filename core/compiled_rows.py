@@ -10,6 +10,7 @@ counted as wasted rows and FLOPs by the caller).
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -49,6 +50,7 @@ class CompiledRows:
         self.compiles = True  # core.counting reads it as CompiledLM's: an eager call of a compiled part is counted
         self.reused = False
         self.compile_s: dict[int, float] = {}
+        self.code: list = []  # the Python modules inductor generated for these graphs (their frozen weights)
         self.graph = torch.compile(own_code(module.forward), dynamic=False, fullgraph=True, mode=self.options["mode"])
 
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
@@ -72,7 +74,10 @@ class CompiledRows:
     def warm(self) -> None:
         """Compile every signature's buckets (untimed), largest first; each bucket's seconds (over the signatures) in
         :attr:`compile_s`."""
+        from torch._inductor.codecache import PyCodeCache
+
         graphs = sum(len(rows) for rows in self.buckets.values())
+        before = {id(mod) for mod in PyCodeCache.modules}
         with torch.inference_mode(), compile_settings(self.options, graphs):
             for rows in sorted({b for buckets in self.buckets.values() for b in buckets}, reverse=True):
                 sync(self.device)
@@ -81,15 +86,17 @@ class CompiledRows:
                     self.graph(*self._inputs(sig, rows))
                 sync(self.device)
                 self.compile_s[rows] = round(time.perf_counter() - start, 3)
+        self.code = [mod for mod in PyCodeCache.modules if id(mod) not in before]
 
     def check(self) -> None:
-        """Refuse (one sentence) compiled outputs that are not the eager module's for the same rows, for every
-        signature at a row count that pads (so that padding is seen to change no real row). After :meth:`warm`."""
+        """Refuse (one sentence) compiled outputs that are not the eager module's for the same rows: every graph, on
+        as many rows as it holds and, where it holds more than one, on one row fewer (padded: the padding must change
+        no real row). After :meth:`warm`."""
         tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
         with torch.inference_mode(), no_recompiles():
-            for sig, buckets in self.buckets.items():
-                rows = max(1, buckets[-1] - 1)
-                args = self._inputs(sig, rows, seed=1)
+            for sig, rows in ((sig, n) for sig, buckets in self.buckets.items() for b in buckets
+                              for n in ({b, b - 1} - {0})):
+                args = self._inputs(sig, rows, seed=rows)
                 got, _, compiled = self(*args)
                 ref = self.module(*args)
                 error = (got.float() - ref.float()).abs().max().item()
@@ -100,7 +107,25 @@ class CompiledRows:
                                      "uncompiled.")
 
     def release(self) -> None:
-        """Nothing to let go of but the graphs, which go with this object."""
+        """When the run ends: let go of the graphs and of the code inductor generated for them, which holds their
+        frozen weights and which inductor would keep for the life of the process (its ``PyCodeCache`` and
+        ``sys.modules``; ``bench.kept.drop_generated_code`` drops everyone's, this only these graphs'): a sweep's jobs
+        each compile their own parts, and would otherwise pile up a frozen copy of every job's heads."""
+        from torch._inductor.codecache import PyCodeCache
+
+        # Dynamo keeps the graphs' entries on the compiled function's code, shared with the next job's part of the same
+        # class (measured: entries piled up job after job until the recompile limit failed the fifth): drop them.
+        compiled_fn = getattr(self.graph, "_torchdynamo_orig_callable", None)
+        if compiled_fn is not None:
+            torch._dynamo.reset_code(getattr(compiled_fn, "__func__", compiled_fn).__code__)
+        mine = {id(mod) for mod in self.code}
+        PyCodeCache.modules[:] = [mod for mod in PyCodeCache.modules if id(mod) not in mine]
+        for path in [p for p, mod in PyCodeCache.modules_no_attr.items() if id(mod) in mine]:
+            del PyCodeCache.modules_no_attr[path]
+        for mod in self.code:
+            if sys.modules.get(mod.__name__) is mod:
+                del sys.modules[mod.__name__]
+        self.code, self.graph = [], None
 
     def describe(self) -> dict:
         """What ``run.json`` says about the compiled part."""

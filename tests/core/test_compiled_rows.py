@@ -2,6 +2,8 @@
 Padding to a bucket changes no real row, is counted as padding, and a call the graphs do not hold runs eagerly and is
 counted so; a compiled part whose outputs are not the eager module's is refused before any clock."""
 
+import gc
+
 import pytest
 import torch
 from torch import nn
@@ -79,3 +81,23 @@ def test_a_miscompiled_part_is_refused():
 def test_row_buckets_reach_the_most_rows_a_call_holds():
     assert [row_buckets(n) for n in (1, 2, 3, 4, 5, 9)] == [(1,), (1, 2), (1, 2, 4), (1, 2, 4), (1, 2, 4, 8),
                                                           (1, 2, 4, 8, 16)]
+
+
+def test_release_lets_go_of_the_code_inductor_generated():
+    """The generated modules hold a frozen graph's weights, and inductor keeps them for the life of the process: a
+    released part drops its own, and its graphs' entries in dynamo. A sweep's jobs each compile their own parts of the
+    same class: five jobs of two graphs each, past dynamo's recompile limit (8) without the release, all compile."""
+    from torch._inductor.codecache import PyCodeCache
+
+    for _ in range(5):
+        # Modules held in a container, as heads are (their ModuleLists): dynamo guards on each one's identity.
+        module = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 5)).eval()
+        compiled = CompiledRows(module, {((8,),): (1, 2)}, "heads")
+        compiled.warm()
+        compiled.check()
+        code = list(compiled.code)
+        assert code and all(any(mod is c for mod in PyCodeCache.modules) for c in code)
+        compiled.release()
+        assert not any(mod is c for mod in PyCodeCache.modules for c in code) and compiled.graph is None
+        del compiled, code, module  # the job ends: its module dies (dynamo counts a dead module's entries as the next one's)
+        gc.collect()

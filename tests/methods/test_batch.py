@@ -278,7 +278,7 @@ def test_a_batch_runs_its_compiled_heads_in_one_padded_call(good_pair, batch_gra
     a depth is one call through them, padded to the bucket (counted), and each row decodes what it decodes alone."""
     from omegaconf import OmegaConf
 
-    from bench.runner import compile_parts
+    from bench.runner import compile_parts, uncompile_parts
 
     batch_graphs.warm()
     pair = batched(good_pair, batch_graphs)
@@ -292,8 +292,8 @@ def test_a_batch_runs_its_compiled_heads_in_one_padded_call(good_pair, batch_gra
         with no_recompiles():
             got = run_batch(method, rows, 16)
     finally:
-        method.heads.compiled = None
-    assert [out.output_ids for out in got] == refs
+        uncompile_parts([method], BATCH)
+    assert method.heads.compiled is None and [out.output_ids for out in got] == refs
     heads = method.heads.stats()
     assert heads["calls"] > 0 and heads["uncompiled_calls"] == 0 and heads["padded_tokens"] > 0
     assert sum(out.counts["heads"]["padded_tokens"] for out in got) == pytest.approx(heads["padded_tokens"])

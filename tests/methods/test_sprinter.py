@@ -216,3 +216,35 @@ def test_compiled_decodes_what_eager_decodes(tiny_pair, compiled):
     ref = run(eager, ids, 24)
     assert out.output_ids == ref.output_ids and out.drafted == ref.drafted
     assert pair.draft.uncompiled_calls <= 1  # the prompt, if beyond the largest bucket
+
+
+@pytest.mark.newest_only
+def test_a_compiled_verifier_decodes_what_the_eager_one_does(tiny_pair):
+    """compile=true compiles the verifier (bench.runner.compile_parts): every call goes through its graph, and the run
+    decodes the tokens, runs and flags the eager verifier gives; released at the end, it runs eagerly again."""
+    from omegaconf import OmegaConf
+
+    from bench.runner import compile_parts, uncompile_parts
+    from core.compiled import no_recompiles
+    from decoding.sampling import Sampling
+
+    method = sprinter(tiny_pair, max_run=4)
+    method.setup()
+
+    def run(ids):
+        with torch.inference_mode():
+            return method.decode(torch.tensor([ids]), 30, Sampling(0.0), torch.Generator().manual_seed(0), lambda n: None)
+
+    prompts = prompts_for(tiny_pair, 3)
+    eager = [run(ids) for ids in prompts]
+    parts = compile_parts(OmegaConf.create({"compile": True}), [method], batch=1)
+    assert set(parts) == {"verifier"} and method.verifier.compiled is parts["verifier"]
+    try:
+        method.verifier.reset()
+        with no_recompiles():
+            got = [run(ids) for ids in prompts]
+        assert method.verifier.calls > 0 and method.verifier.uncompiled_calls == 0
+    finally:
+        uncompile_parts([method], 1)
+    assert method.verifier.compiled is None
+    assert [(o.output_ids, o.accept_lengths) for o in got] == [(o.output_ids, o.accept_lengths) for o in eager]
