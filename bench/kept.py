@@ -21,12 +21,12 @@ import dataclasses
 import gc
 import json
 import logging
-import sys
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from bench.models import pair_settings, resolve_device, resolve_dtype
+from core.compiled import drop_generated_code
 
 log = logging.getLogger(__name__)
 
@@ -78,19 +78,6 @@ def release(graphs: bool = False) -> None:
     torch._dynamo.reset()
     drop_generated_code()
     gc.collect()
-
-
-def drop_generated_code() -> None:
-    """Let go of the Python modules inductor generated for the graphs compiled so far. With weight freezing, each
-    holds its graph's frozen weights as module attributes, and inductor keeps every one it loads (its ``PyCodeCache``
-    and ``sys.modules``) after ``torch._dynamo.reset()``: found as the rest of a sweep's leak, a whole frozen copy of
-    the pair per batch job. Call only when no compiled graph is used again (dynamo reset)."""
-    from torch._inductor.codecache import PyCodeCache
-
-    for mod in PyCodeCache.modules:
-        if sys.modules.get(mod.__name__) is mod:
-            del sys.modules[mod.__name__]
-    PyCodeCache.cache_clear()
 
 
 def held() -> dict:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 import types
 
@@ -674,8 +675,7 @@ class CompiledLM:
         error = (got - ref)[finite].abs().max().item() if bool((got.isfinite() == finite).all()) else float("inf")
         scale = ref[finite].abs().max().item()
         context_effect = (alone - after)[after.isfinite()].abs().max().item()
-        tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
-        if not error <= tolerance * max(scale, 1.0) or (context_effect > 0 and not error < 0.25 * context_effect):
+        if not error <= check_tolerance(self.dtype) * max(scale, 1.0) or (context_effect > 0 and not error < 0.25 * context_effect):
             where = f" (row {b} of its cache, {size} rows running)" if self.cache.rows > 1 else ""
             raise BenchError(f"the compiled {self.role}'s logits are {error:.3g} away from the eager model's for the "
                              f"same tokens{where} (largest logit {scale:.3g}); compile=false runs it uncompiled.")
@@ -700,6 +700,31 @@ def compile_settings(options: dict, graphs: int):
     with torch._dynamo.config.patch(recompile_limit=max(graphs + 2, torch._dynamo.config.recompile_limit),
                                     fail_on_recompile_limit_hit=True), inductor.patch(freezing=options["freezing"]):
         yield
+
+
+def check_tolerance(dtype: torch.dtype) -> float:
+    """How far (relative to the largest output, at least 1) a compiled forward's outputs may lie from the eager one's."""
+    return 1e-3 if dtype == torch.float32 else 5e-2
+
+
+def drop_generated_code(modules: list | None = None) -> None:
+    """Let go of the Python modules inductor generated for compiled graphs: ``modules`` (some graphs' own), or every
+    one so far (None). With weight freezing, each holds its graph's frozen weights as module attributes, and inductor
+    keeps every one it loads (its ``PyCodeCache`` and ``sys.modules``) after ``torch._dynamo.reset()``: found as the
+    rest of a sweep's leak, a whole frozen copy of the pair per batch job. Call only when those graphs are not used
+    again."""
+    from torch._inductor.codecache import PyCodeCache
+
+    for mod in list(PyCodeCache.modules if modules is None else modules):
+        if sys.modules.get(mod.__name__) is mod:
+            del sys.modules[mod.__name__]
+    if modules is None:
+        PyCodeCache.cache_clear()
+        return
+    mine = {id(mod) for mod in modules}
+    PyCodeCache.modules[:] = [mod for mod in PyCodeCache.modules if id(mod) not in mine]
+    for path in [p for p, mod in PyCodeCache.modules_no_attr.items() if id(mod) in mine]:
+        del PyCodeCache.modules_no_attr[path]
 
 
 def no_recompiles():

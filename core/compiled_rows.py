@@ -10,13 +10,13 @@ counted as wasted rows and FLOPs by the caller).
 
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
 
 from core.clock import sync
-from core.compiled import backend_of, bucket_for, compile_settings, no_recompiles, own_code
+from core.compiled import (backend_of, bucket_for, check_tolerance, compile_settings, drop_generated_code, no_recompiles,
+                           own_code)
 from core.errors import BenchError
 
 Signature = tuple[tuple[int, ...], ...]  # the shapes beyond dim 0 of a call's inputs, in order
@@ -92,7 +92,7 @@ class CompiledRows:
         """Refuse (one sentence) compiled outputs that are not the eager module's for the same rows: every graph, on
         as many rows as it holds and, where it holds more than one, on one row fewer (padded: the padding must change
         no real row). After :meth:`warm`."""
-        tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
+        tolerance = check_tolerance(self.dtype)
         with torch.inference_mode(), no_recompiles():
             for sig, rows in ((sig, n) for sig, buckets in self.buckets.items() for b in buckets
                               for n in ({b, b - 1} - {0})):
@@ -108,23 +108,15 @@ class CompiledRows:
 
     def release(self) -> None:
         """When the run ends: let go of the graphs and of the code inductor generated for them, which holds their
-        frozen weights and which inductor would keep for the life of the process (its ``PyCodeCache`` and
-        ``sys.modules``; ``bench.kept.drop_generated_code`` drops everyone's, this only these graphs'): a sweep's jobs
-        each compile their own parts, and would otherwise pile up a frozen copy of every job's heads."""
-        from torch._inductor.codecache import PyCodeCache
-
+        frozen weights and which inductor would keep for the life of the process (these graphs' only:
+        :func:`core.compiled.drop_generated_code`): a sweep's jobs each compile their own parts, and would otherwise pile
+        up a frozen copy of every job's heads."""
         # Dynamo keeps the graphs' entries on the compiled function's code, shared with the next job's part of the same
         # class (measured: entries piled up job after job until the recompile limit failed the fifth): drop them.
         compiled_fn = getattr(self.graph, "_torchdynamo_orig_callable", None)
         if compiled_fn is not None:
             torch._dynamo.reset_code(getattr(compiled_fn, "__func__", compiled_fn).__code__)
-        mine = {id(mod) for mod in self.code}
-        PyCodeCache.modules[:] = [mod for mod in PyCodeCache.modules if id(mod) not in mine]
-        for path in [p for p, mod in PyCodeCache.modules_no_attr.items() if id(mod) in mine]:
-            del PyCodeCache.modules_no_attr[path]
-        for mod in self.code:
-            if sys.modules.get(mod.__name__) is mod:
-                del sys.modules[mod.__name__]
+        drop_generated_code(self.code)
         self.code, self.graph = [], None
 
     def describe(self) -> dict:
