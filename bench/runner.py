@@ -137,6 +137,12 @@ def cost_ratio(pair: Pair, prompt_ids: torch.Tensor, repeats: int = 10) -> float
     return draft / target
 
 
+def longest_sequence(cfg: DictConfig, prompts: list[list[int]]) -> int:
+    """The longest sequence a compiled model's static cache holds: the longest prompt, then the budget (or the
+    warm-up's 16 tokens)."""
+    return max((len(p) for p in prompts), default=0) + max(int(cfg.max_new_tokens), 16)
+
+
 def compile_models(cfg: DictConfig, pair: Pair, prompts: list[list[int]], kept: dict | None = None) -> dict[str, CompiledLM]:
     """``compile=true``: the forwards of the target and of each draft model the run loaded, compiled per bucket of
     rows over one static cache each, sized for ``prompts``, the budget and the warm-up; every bucket compiled and the
@@ -147,7 +153,7 @@ def compile_models(cfg: DictConfig, pair: Pair, prompts: list[list[int]], kept: 
     if not cfg.get("compile"):
         return {}
     kept = {} if kept is None else kept
-    longest = max((len(p) for p in prompts), default=0) + max(int(cfg.max_new_tokens), 16)
+    longest = longest_sequence(cfg, prompts)
     buckets = tuple(cfg.compile_buckets)
     compiled = {}
     for lm in (pair.target, *pair.drafts):
@@ -174,7 +180,7 @@ def batch_models(cfg: DictConfig, pair: Pair, prompts: list[list[int]], methods:
     (warmed before any clock), else the same code run eagerly; each checked against the eager model row by row
     either way. A method that does not batch its drafting drafts eagerly, one cache per row (docs/batching.md).
     ``{role: batch forwards}``."""
-    longest = max((len(p) for p in prompts), default=0) + max(int(cfg.max_new_tokens), 16)
+    longest = longest_sequence(cfg, prompts)
     # The draft models a method that batches its drafting runs (Method.drafts: its first n); the others need no cache.
     batched_drafts = max((m.drafts for m in methods if getattr(m, "batched_drafting", False)), default=0)
     models = {}
@@ -194,14 +200,28 @@ def batch_models(cfg: DictConfig, pair: Pair, prompts: list[list[int]], methods:
     return models
 
 
-def compile_parts(cfg: DictConfig, methods: list, batch: int) -> dict[str, CompiledRows]:
+def compile_parts(cfg: DictConfig, methods: list, batch: int, longest: int = 0) -> dict[str, CompiledRows | CompiledLM]:
     """``compile=true``: each method's cache-free parts (``Method.row_parts``: draft heads, SPRINTER's verifier)
-    compiled per input shape its calls use and bucket of rows (the powers of two up to the most rows such a call holds),
-    warmed and checked against the eager part before any clock. ``{role: compiled}``."""
+    compiled per input shape its calls use and bucket of rows (the powers of two up to the most rows such a call holds);
+    and, decoding one prompt at a time, its own models with a KV cache (``Method.batch_parts``: EAGLE's draft layer,
+    Hydra++'s prefix layer, Amphista's stages, GliDe's draft; a batch compiles them in :func:`batch_models`) per bucket
+    of query rows over a one-row static cache for sequences of ``longest`` positions, as the target's. Each warmed and
+    checked against the eager part before any clock; dropped when the run ends (:func:`uncompile_parts`).
+    ``{role: compiled}``."""
     if not cfg.get("compile"):
         return {}
     compiled = {}
     for method in methods:
+        for part in method.batch_parts() if batch == 1 else ():
+            if part.compiled is not None:  # a part a method shares with another (SAM-Decoding's EAGLE layer)
+                continue
+            # GliDe's draft attends to the target's cache too: its forwards read the target's compiled one.
+            reads = method.pair.target.compiled.cache if getattr(part.module, "read_layers", None) is not None else None
+            log.info("compiling the %s's forwards for %d row buckets (untimed)", part.role, len(cfg.compile_buckets))
+            part.compiled = compiled[part.role] = CompiledLM(part.module, longest, tuple(cfg.compile_buckets),
+                                                             role=part.role, reads=reads)
+            part.compiled.warm()
+            part.compiled.check()
         for part, most in method.row_parts(batch):
             buckets = {sig: row_buckets(rows) for sig, rows in most.items()}
             log.info("compiling the %s for %d input shapes, %d graphs (untimed)", part.role, len(buckets),
@@ -214,9 +234,15 @@ def compile_parts(cfg: DictConfig, methods: list, batch: int) -> dict[str, Compi
 
 def uncompile_parts(methods: list, batch: int) -> None:
     """When the run ends: each method's compiled parts (:func:`compile_parts`) let go of their graphs and the frozen
-    weights inductor's code holds, and run eagerly again. (They are roles of the method's own table, not of the
-    pair's that :func:`uncompile` walks.)"""
+    weights inductor's code holds, and run eagerly again. (Those of the method's own table are not the pair's that
+    :func:`uncompile` walks; its models with a KV cache, compiled here at one row, are not kept for the next run as the
+    pair's are.)"""
     for method in methods:
+        for part in method.batch_parts() if batch == 1 else ():
+            if part.compiled is not None:
+                part.compiled.release()
+                part.compiled.drop()
+                part.compiled = None
         for part, _ in method.row_parts(batch):
             if part.compiled is not None:
                 part.compiled.release()
@@ -479,7 +505,7 @@ def run(cfg: DictConfig, run_dir: Path) -> list[dict]:
         ref = reference.build(ref_mode, pair, get_method("ar")({}, pair).eos_ids, encoded, cfg.max_new_tokens)
         compiled = (batch_models(cfg, pair, encoded, list(methods_.values())) if batch > 1
                     else compile_models(cfg, pair, encoded, slot.compiled if slot else None))
-        compiled.update(compile_parts(cfg, list(methods_.values()), batch))
+        compiled.update(compile_parts(cfg, list(methods_.values()), batch, longest_sequence(cfg, encoded)))
         prov["compile"] = {role: c.describe() for role, c in compiled.items()} or None
         # What each method holds beyond the target (its parts, its tensors), measured once, outside any clock.
         own = {m.name: memory.method_param_bytes(m) for m in [*methods_.values(), *([ref] if ref else [])]}

@@ -1,8 +1,8 @@
 """A causal LM's forwards compiled for a few fixed shapes (``compile=true``): issue 40, docs/design/static-verification.md.
 
-The target's, and each draft model's a method decodes with (``sd``, ``cascade``, ``spechub``, ``gsd``, ``sprinter``;
-in a batch also the methods' own models, ``Method.batch_parts``: EAGLE's draft layer, Hydra++'s prefix layer, Amphista's
-adaptation stages, GliDe's draft, which reads the target's batch cache too): one :class:`CompiledLM` per model.
+The target's, each draft model's a method decodes with (``sd``, ``cascade``, ``spechub``, ``gsd``, ``sprinter``), and
+the methods' own models with a KV cache (``Method.batch_parts``: EAGLE's draft layer, Hydra++'s prefix layer, Amphista's
+adaptation stages, GliDe's draft, which reads the target's cache too): one :class:`CompiledLM` per model.
 
 Why: what a speculative method gains depends on what a k-token verification forward costs against a one-token step,
 and an eager forward's cost is set by its kernels' quirks (BLAS blocking on the CPU, kernel launches on a GPU), not by
@@ -245,6 +245,7 @@ class CompiledLM:
         self._no_fill: dict[tuple, tuple] = {}  # per (rows, Q): (False (rows, Q), zeros (rows, Q, hidden)): no swap
         self.graph = torch.compile(own_code(self._scored), dynamic=False, fullgraph=True, mode=self.options["mode"])
         self.compile_s: dict[int, float] = {}
+        self.code: list = []  # the Python modules inductor generated for these graphs (their frozen weights): drop()
         self.reused = False  # made by an earlier run of this process and kept (bench.kept); compile_s say what warming took
         # The last call's forward, per row: cached positions before it, its real rows, the rows it ran, the rows the
         # output head ran on, whether it ran compiled, the cache slots it read.
@@ -562,6 +563,12 @@ class CompiledLM:
         self.holder = None
         self.cache.reset()
 
+    def drop(self) -> None:
+        """When the run ends, for graphs no later run takes (a method's own model, compiled per run: bench.runner's
+        ``compile_parts``): let go of them and of the code inductor generated for them (:func:`forget_graphs`)."""
+        forget_graphs(self.graph, self.code)
+        self.code, self.graph = [], None
+
     def warm(self) -> None:
         """Compile every bucket (untimed), largest first, for each of :attr:`batch_sizes`, and keep each bucket's
         seconds in :attr:`compile_s`. Graphs compiled before (a sweep's kept model, a test's fixture) are reused while
@@ -573,7 +580,8 @@ class CompiledLM:
             return
         if self.compile_s and not self._graphs_hold():
             self.graph = torch.compile(own_code(self._scored), dynamic=False, fullgraph=True, mode=self.options["mode"])
-        with torch.inference_mode(), compile_settings(self.options, len(self.buckets) * len(self.batch_sizes)):
+        with (torch.inference_mode(), compile_settings(self.options, len(self.buckets) * len(self.batch_sizes)),
+              generated_code(self.code)):
             for q in sorted(self.buckets, reverse=True):
                 sync(self.device)
                 start = time.perf_counter()
@@ -725,6 +733,31 @@ def drop_generated_code(modules: list | None = None) -> None:
     PyCodeCache.modules[:] = [mod for mod in PyCodeCache.modules if id(mod) not in mine]
     for path in [p for p, mod in PyCodeCache.modules_no_attr.items() if id(mod) in mine]:
         del PyCodeCache.modules_no_attr[path]
+
+
+@contextlib.contextmanager
+def generated_code(into: list):
+    """Within the block, the Python modules inductor generates (each compiled graph's code, with weight freezing its
+    frozen weights) are added to ``into``, for :func:`forget_graphs`."""
+    from torch._inductor.codecache import PyCodeCache
+
+    before = {id(mod) for mod in PyCodeCache.modules}
+    try:
+        yield
+    finally:
+        into.extend(mod for mod in PyCodeCache.modules if id(mod) not in before)
+
+
+def forget_graphs(graph, code: list) -> None:
+    """Let go of one ``torch.compile``'d function's graphs (``graph``, made on :func:`own_code`'s copy) and of ``code``,
+    the modules inductor generated for them (:func:`generated_code`), leaving every other compiled model's alone. For
+    the parts a run compiles for itself: a sweep's jobs each compile their own, and would otherwise pile up a frozen
+    copy of every job's parts (measured with heads: 68 MiB a job, and dynamo's entries on a class's shared code grew
+    job after job until its recompile limit failed the fifth)."""
+    compiled_fn = getattr(graph, "_torchdynamo_orig_callable", None)
+    if compiled_fn is not None:
+        torch._dynamo.reset_code(getattr(compiled_fn, "__func__", compiled_fn).__code__)
+    drop_generated_code(code)
 
 
 def no_recompiles():

@@ -15,8 +15,8 @@ import time
 import torch
 
 from core.clock import sync
-from core.compiled import (backend_of, bucket_for, check_tolerance, compile_settings, drop_generated_code, no_recompiles,
-                           own_code)
+from core.compiled import (backend_of, bucket_for, check_tolerance, compile_settings, forget_graphs, generated_code,
+                           no_recompiles, own_code)
 from core.errors import BenchError
 
 Signature = tuple[tuple[int, ...], ...]  # the shapes beyond dim 0 of a call's inputs, in order
@@ -74,11 +74,8 @@ class CompiledRows:
     def warm(self) -> None:
         """Compile every signature's buckets (untimed), largest first; each bucket's seconds (over the signatures) in
         :attr:`compile_s`."""
-        from torch._inductor.codecache import PyCodeCache
-
         graphs = sum(len(rows) for rows in self.buckets.values())
-        before = {id(mod) for mod in PyCodeCache.modules}
-        with torch.inference_mode(), compile_settings(self.options, graphs):
+        with torch.inference_mode(), compile_settings(self.options, graphs), generated_code(self.code):
             for rows in sorted({b for buckets in self.buckets.values() for b in buckets}, reverse=True):
                 sync(self.device)
                 start = time.perf_counter()
@@ -86,7 +83,6 @@ class CompiledRows:
                     self.graph(*self._inputs(sig, rows))
                 sync(self.device)
                 self.compile_s[rows] = round(time.perf_counter() - start, 3)
-        self.code = [mod for mod in PyCodeCache.modules if id(mod) not in before]
 
     def check(self) -> None:
         """Refuse (one sentence) compiled outputs that are not the eager module's for the same rows: every graph, on
@@ -108,15 +104,8 @@ class CompiledRows:
 
     def release(self) -> None:
         """When the run ends: let go of the graphs and of the code inductor generated for them, which holds their
-        frozen weights and which inductor would keep for the life of the process (these graphs' only:
-        :func:`core.compiled.drop_generated_code`): a sweep's jobs each compile their own parts, and would otherwise pile
-        up a frozen copy of every job's heads."""
-        # Dynamo keeps the graphs' entries on the compiled function's code, shared with the next job's part of the same
-        # class (measured: entries piled up job after job until the recompile limit failed the fifth): drop them.
-        compiled_fn = getattr(self.graph, "_torchdynamo_orig_callable", None)
-        if compiled_fn is not None:
-            torch._dynamo.reset_code(getattr(compiled_fn, "__func__", compiled_fn).__code__)
-        drop_generated_code(self.code)
+        frozen weights and which inductor would keep for the life of the process (:func:`core.compiled.forget_graphs`)."""
+        forget_graphs(self.graph, self.code)
         self.code, self.graph = [], None
 
     def describe(self) -> dict:

@@ -173,9 +173,10 @@ class Method:
         """Load (or build, when missing) what the method needs beyond the pair: heads, verifier, tables."""
 
     def batch_parts(self) -> list:
-        """Models of the method's own (``CountedLM``s, after :meth:`setup`) whose forwards it yields, so that a batch
-        runs them on a batch cache of their own like a draft model's (EAGLE's draft layer); the run builds one for each
-        (``bench.runner.batch_models``)."""
+        """Models of the method's own with a KV cache (``CountedLM``s, after :meth:`setup`) whose forwards it yields
+        when their cache is a static one (a ``RowView``), so that a batch runs them on a batch cache of their own like
+        a draft model's (EAGLE's draft layer; ``bench.runner.batch_models``), and ``compile=true`` compiles them for one
+        prompt at a time too (``bench.runner.compile_parts``: the prompt's forwards then run as a batch of one)."""
         return []
 
     def row_parts(self, batch: int) -> list[tuple]:
@@ -328,7 +329,8 @@ class PromptState:
         """An empty KV cache of ``lm`` (a ``CountedLM``) for this decode: in a batch, the prompt's row of ``lm``'s batch
         cache, for the target and, for a method that batches its drafting (:attr:`DraftVerify.batched_drafting`), its
         drafts (their forwards are then yielded, :meth:`DraftVerify.steps`); alone, its compiled forwards' static
-        cache when compiled (given back when the decode ends); else a new ``DynamicCache``."""
+        cache when compiled (given back when the decode ends; for a model of the method's own, :meth:`Method.batch_parts`,
+        that cache's one row, whose forwards the method yields); else a new ``DynamicCache``."""
         batch = lm.compiled is not None and lm.compiled.cache.rows > 1
         if self.row is not None and (lm is self.pair.target or (batch and self.method.batched_drafting)):
             if lm.role in self.batch_rows:
@@ -340,6 +342,10 @@ class PromptState:
             return DynamicCache()
         cache = lm.new_cache(self.method.name)
         self.closing.callback(lm.release_cache, cache)
+        if lm.compiled is not None and any(lm is part for part in self.method.batch_parts()):
+            # A method's own model compiled at one row (bench.runner.compile_parts): its row of that cache, so that the
+            # method yields its forwards as in a batch, and they run as a batch of one (_call).
+            return cache.row(0)
         return cache
 
     def draft_cache(self, draft) -> Generator[dict, object, object]:
@@ -603,6 +609,8 @@ def _call(lm, cache, request: dict):
     request = dict(request)
     if "args" in request:  # a small module's call (heads): its inputs, no cache
         return lm(*request["args"])
+    if isinstance(cache, RowView):  # a method's own model compiled at one row (PromptState.own_cache): a batch of one
+        return lm.forward_rows([request])[0][0]
     swap = request.pop("swap", None)
     with swapped_embeddings(lm, *swap) if swap is not None else nullcontext():
         return lm(cache=cache, **request)

@@ -79,10 +79,16 @@ def test_lossless_greedy_equals_ar_compiled(name, good_pair, compiled):
 
     pair = compiled(good_pair)
     method = build(pair, name)
-    # The method's own cache-free parts (draft heads) compiled too, per bucket of rows, as a compile=true run does.
-    parts = compile_parts(OmegaConf.create({"compile": True}), [method], batch=1)
+    # The method's own parts compiled too, as a compile=true run does: cache-free ones (draft heads) per bucket of rows,
+    # those with a KV cache (EAGLE's layer, Hydra++'s prefix layer, Amphista's stages, GliDe's draft) per bucket of
+    # query rows (two: their catch-ups and trees' levels padded to 16; their prompt's read beyond).
+    parts = compile_parts(OmegaConf.create({"compile": True, "compile_buckets": [1, 16]}), [method], batch=1,
+                          longest=1024)
+    cached = {part.role for part in method.batch_parts()}
     heads = {"medusa", "hydra", "hydra_pp", "amphista"} | ({"koala"} if getattr(method.cfg, "base", None) == "medusa" else set())
-    assert set(parts) == ({"heads"} if name in heads else {"verifier"} if name == "sprinter" else set()), name
+    assert set(parts) - cached == ({"heads"} if name in heads else {"verifier"} if name == "sprinter" else set()), name
+    assert cached <= set(parts) and bool(cached) == (name in {"eagle", "eagle3", "glide", "hydra_pp", "amphista"}
+                                                     or name == "koala" and method.cfg.base == "eagle"), name
     # A prompt within the largest bucket (a compiled prefill) and one beyond it (an uncompiled one).
     prompts = [min(prompts_for(good_pair, 8), key=len), prompts_for(good_pair, 3)[2]]
     eager = build(good_pair, name)
@@ -96,8 +102,8 @@ def test_lossless_greedy_equals_ar_compiled(name, good_pair, compiled):
             plain = run(eager, ids, 24)
             assert out.output_ids == ref.output_ids == plain.output_ids, f"{name} compiled differs from ar"
             assert out.accept_lengths == plain.accept_lengths
-            for role in parts:  # every call of a compiled part ran through its graphs
-                assert pair.roles[role].calls > 0 and pair.roles[role].uncompiled_calls == 0, (name, role)
+            for role in parts:  # every call of a compiled part ran through its graphs (a prompt's read beyond them)
+                assert pair.roles[role].calls > 0 and pair.roles[role].uncompiled_calls <= (role in cached), (name, role)
     uncompile_parts([method], 1)
     assert all(pair.roles[role].compiled is None for role in parts)
 
