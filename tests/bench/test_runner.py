@@ -111,18 +111,23 @@ def test_a_compiled_run_says_what_it_compiled(compose_cfg, tmp_path):
     assert not any(prov["compile"][role]["reused"] for role in ("target", "draft"))
 
     # The next job of a sweep in this process (same pair, dataset and buckets): the models and their graphs kept,
-    # nothing compiled again, each checked again; the method needs no draft, which stays kept for a later job.
+    # nothing compiled again, each checked again; the method needs no draft, which stays kept for a later job. Its own
+    # draft layer (EAGLE's) is compiled for this job alone (its two buckets), and let go with its code when it ends.
     from torch._dynamo.utils import counters
+    from torch._inductor.codecache import PyCodeCache
 
     from bench import kept
 
-    graphs = counters["stats"]["unique_graphs"]
-    run(compose_cfg("pair=tiny", "method=pld", "compile=true", "compile_buckets=[1,16]", "max_new_tokens=12",
+    graphs, code = counters["stats"]["unique_graphs"], len(PyCodeCache.modules)
+    run(compose_cfg("pair=tiny", "method=eagle", "compile=true", "compile_buckets=[1,16]", "max_new_tokens=12",
                     "dataset.n_prompts=2", "warmup=1"), tmp_path / "next")
-    assert counters["stats"]["unique_graphs"] == graphs
+    assert counters["stats"]["unique_graphs"] == graphs + 2 and len(PyCodeCache.modules) == code
     prov = json.loads((tmp_path / "next" / "run.json").read_text())
-    assert set(prov["compile"]) == {"target"} and prov["compile"]["target"]["reused"] is True
-    assert all(r["matches_baseline"] for r in read_records(tmp_path / "next" / "records.jsonl"))
+    assert set(prov["compile"]) == {"target", "eagle"} and prov["compile"]["target"]["reused"] is True
+    assert prov["compile"]["eagle"]["reused"] is False and set(prov["compile"]["eagle"]["compile_s"]) == {"1", "16"}
+    records = read_records(tmp_path / "next" / "records.jsonl")
+    assert all(r["matches_baseline"] for r in records)
+    assert all(r["uncompiled_calls"]["eagle"] <= 1 < r["calls"]["eagle"] for r in records if r["method"] == "eagle")
     assert set(kept.held()) == {"target", "draft"}
     # Other buckets: the same models, their forwards compiled anew; an eager run lets everything go first.
     run(compose_cfg("pair=tiny", "method=ar", "compile=true", "compile_buckets=[1,4]", "max_new_tokens=4",
