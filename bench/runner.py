@@ -200,7 +200,8 @@ def batch_models(cfg: DictConfig, pair: Pair, prompts: list[list[int]], methods:
     return models
 
 
-def compile_parts(cfg: DictConfig, methods: list, batch: int, longest: int = 0) -> dict[str, CompiledRows | CompiledLM]:
+def compile_parts(cfg: DictConfig, methods: list, batch: int,
+                  longest: int | None = None) -> dict[str, CompiledRows | CompiledLM]:
     """``compile=true``: each method's cache-free parts (``Method.row_parts``: draft heads, SPRINTER's verifier)
     compiled per input shape its calls use and bucket of rows (the powers of two up to the most rows such a call holds);
     and, decoding one prompt at a time, its own models with a KV cache (``Method.batch_parts``: EAGLE's draft layer,
@@ -215,6 +216,8 @@ def compile_parts(cfg: DictConfig, methods: list, batch: int, longest: int = 0) 
         for part in method.batch_parts() if batch == 1 else ():
             if part.compiled is not None:  # a part a method shares with another (SAM-Decoding's EAGLE layer)
                 continue
+            if longest is None:  # a static cache sized for nothing would fail mid-decode, not here
+                raise ValueError(f"compiling the {part.role}'s forwards needs the longest sequence its cache holds")
             # GliDe's draft attends to the target's cache too: its forwards read the target's compiled one.
             reads = method.pair.target.compiled.cache if getattr(part.module, "read_layers", None) is not None else None
             log.info("compiling the %s's forwards for %d row buckets (untimed)", part.role, len(cfg.compile_buckets))
